@@ -1,0 +1,1 @@
+"""The wanloom operator: TrainingJob -> JobSet on TPU v7x slices and NVIDIA GPU nodes."""

@@ -1,0 +1,180 @@
+"""Generate the TrainingJob CustomResourceDefinition from the pydantic models (pure; `wanloom crd` prints it).
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3 schema: no ``$ref``, no
+``anyOf`` for optionals, boolean ``exclusiveMinimum``, and cross-field rules as ``x-kubernetes-validations``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from wanloom_operator.api import trainingjob as tj
+
+_DROP_KEYS = {"title", "discriminator"}
+
+
+def _model_index(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Map JSON-schema definition names to their model classes (for their CEL rules)."""
+    index: dict[str, type[BaseModel]] = {}
+
+    def visit(model: type[BaseModel]) -> None:
+        if model.__name__ in index:
+            return
+        index[model.__name__] = model
+        for field in model.model_fields.values():
+            for arg in _type_args(field.annotation):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    visit(arg)
+
+    visit(root)
+    return index
+
+
+def _type_args(annotation: Any) -> list[Any]:
+    args = getattr(annotation, "__args__", None)
+    if not args:
+        return [annotation]
+    return [a for arg in args for a in _type_args(arg)]
+
+
+def _convert(node: Any, defs: dict[str, Any], models: dict[str, type[BaseModel]]) -> Any:
+    if isinstance(node, list):
+        return [_convert(n, defs, models) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        out = _convert(defs[name], defs, models)
+        rules = getattr(models.get(name), "cel_rules", ())
+        if rules:
+            out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        out.update(_convert(extra, defs, models))
+        return out
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        if len(options) == 1:
+            rest = {k: v for k, v in node.items() if k not in ("anyOf", "default")}
+            merged = {**_convert(options[0], defs, models), **_convert(rest, defs, models)}
+            if node.get("default") is not None:
+                merged["default"] = node["default"]
+            return merged
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP_KEYS or key == "$defs":
+            continue
+        if key == "additionalProperties" and value is False:
+            continue  # structural schemas prune unknown fields; `false` beside `properties` is rejected
+        if key in ("exclusiveMinimum", "exclusiveMaximum"):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+        elif key == "prefixItems":
+            # Fixed-length tuples (betas): same item schema, bounded length.
+            out["items"] = _convert(value[0], defs, models)
+            out["minItems"] = out["maxItems"] = len(value)
+        elif key == "const":
+            out["enum"] = [value]
+        elif key == "properties":
+            out[key] = {k: _convert(v, defs, models) for k, v in value.items()}
+        else:
+            out[key] = _convert(value, defs, models)
+    if out.get("type") == "array" and "items" not in out:
+        out["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if out.get("type") == "object" and "x-kubernetes-preserve-unknown-fields" in out:
+        out.pop("additionalProperties", None)
+    if out.get("format") == "date-time":
+        out["type"] = "string"
+    return out
+
+
+def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.get("$defs", {})
+    models = _model_index(model)
+    root = _convert({k: v for k, v in raw.items() if k != "$defs"}, defs, models)
+    rules = getattr(model, "cel_rules", ())
+    if rules:
+        root["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+    return root
+
+
+def _default_empty_objects(schema: dict[str, Any]) -> None:
+    """Give optional object fields with no required children ``default: {}`` so the API server fills their
+    defaults and ``kubectl get -o yaml`` shows the effective configuration."""
+    for prop in schema.get("properties", {}).values():
+        if prop.get("type") == "object" and "properties" in prop:
+            _default_empty_objects(prop)
+            if not prop.get("required") and "default" not in prop and prop.get("x-wanloom-optional") is None:
+                prop["default"] = {}
+        elif prop.get("type") == "array" and isinstance(prop.get("items"), dict):
+            _default_empty_objects(prop["items"])
+
+
+def _spec_schema() -> dict[str, Any]:
+    spec = _schema_of(tj.TrainingJobSpec)
+    # Optional sub-objects whose mere presence means something must not be defaulted into existence.
+    for path in (("resources", "tpu"), ("resources", "gpu"), ("resources", "cpu"), ("data", "synthetic")):
+        node = spec
+        for part in path:
+            node = node["properties"][part]
+        node["x-wanloom-optional"] = True
+    _default_empty_objects(spec)
+    _strip_markers(spec)
+    return spec
+
+
+def _strip_markers(node: Any) -> None:
+    if isinstance(node, dict):
+        node.pop("x-wanloom-optional", None)
+        for value in node.values():
+            _strip_markers(value)
+    elif isinstance(node, list):
+        for value in node:
+            _strip_markers(value)
+
+
+def trainingjob_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition for TrainingJob (apiextensions.k8s.io/v1)."""
+    status = _schema_of(tj.TrainingJobStatus)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{tj.PLURAL}.{tj.GROUP}"},
+        "spec": {
+            "group": tj.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": tj.KIND,
+                "listKind": f"{tj.KIND}List",
+                "plural": tj.PLURAL,
+                "singular": tj.SINGULAR,
+                "shortNames": list(tj.SHORT_NAMES),
+                "categories": ["all", "wanloom"],
+            },
+            "versions": [
+                {
+                    "name": tj.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [dict(c) for c in tj.PRINTER_COLUMNS],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A Wan 2.2 training run: model, data, routing, AdaptiveLoad, resources.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": _spec_schema(),
+                                "status": status,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }

@@ -1,0 +1,47 @@
+"""Names shared by the operator (which writes them into pods) and the trainer (which reads them).
+
+The environment contract (docs/architecture.md, "Start-up contract"): the operator renders these variables into
+every trainer container; ``wanloom_trainer`` reads them in one place at start-up. Values that differ per pod come
+from the downward API (JobSet labels and the Job completion index), so one pod template serves every rank.
+"""
+
+from __future__ import annotations
+
+# Labels and annotations wanloom puts on what it creates.
+LABEL_JOB_NAME = "wanloom.dev/trainingjob"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "wanloom-operator"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ANNOTATION_SPEC_HASH = "wanloom.dev/spec-hash"
+
+# Labels and annotations JobSet and Kubernetes put on pods (read through the downward API).
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+JOBSET_REPLICATEDJOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOBSET_COORDINATOR = "jobset.sigs.k8s.io/coordinator"
+JOBSET_EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+
+# The trainer's environment.
+ENV_CONFIG = "WANLOOM_CONFIG"  # path of the mounted TrainingJob YAML
+ENV_JOB_NAME = "WANLOOM_JOB_NAME"
+ENV_NAMESPACE = "WANLOOM_NAMESPACE"
+ENV_METRICS_PORT = "WANLOOM_METRICS_PORT"
+ENV_RUN_DIR = "WANLOOM_RUN_DIR"  # local scratch: synthetic data, plots
+ENV_COORDINATOR_ADDRESS = "WANLOOM_COORDINATOR_ADDRESS"  # host:port of process 0
+ENV_NUM_SLICES = "WANLOOM_NUM_SLICES"  # replicated-job replicas (TPU slices); 1 on GPU
+ENV_SLICE_INDEX = "WANLOOM_SLICE_INDEX"  # job index within the replicated job
+ENV_HOSTS_PER_SLICE = "WANLOOM_HOSTS_PER_SLICE"  # pods per slice (Job parallelism)
+ENV_HOST_INDEX = "WANLOOM_HOST_INDEX"  # Job completion index
+ENV_DEVICES_PER_HOST = "WANLOOM_DEVICES_PER_HOST"
+
+CONFIG_MOUNT_DIR = "/etc/wanloom"
+CONFIG_FILE_NAME = "trainingjob.yaml"
+JAX_COORDINATOR_PORT = 8476
+TORCH_MASTER_PORT = 29500
+
+
+def global_process_id(slice_index: int, hosts_per_slice: int, host_index: int) -> int:
+    """Rank of a pod across all slices: unique, unlike the per-Job completion index (Kubeflow Trainer #3537)."""
+    return slice_index * hosts_per_slice + host_index

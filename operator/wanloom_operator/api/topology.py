@@ -1,0 +1,69 @@
+"""Accelerator shapes: TPU v7x slice topologies and GPU node types (GKE conventions, docs/architecture.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHIPS_PER_TPU7X_HOST = 4
+TENSORCORES_PER_TPU7X_CHIP = 2  # each TensorCore is one JAX device
+# Single-host and small multi-host shapes GKE offers; larger ones follow the cube rule in `tpu7x_slice`.
+_SMALL_TPU7X_TOPOLOGIES = ("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4")
+_MAX_CUBES = 144
+
+GKE_GPU_ACCELERATORS = {
+    "h100": "nvidia-h100-80gb",
+    "h200": "nvidia-h200-141gb",
+    "b200": "nvidia-b200",
+}
+
+
+@dataclass(frozen=True)
+class TPUSlice:
+    topology: str
+    chips: int
+
+    @property
+    def hosts(self) -> int:
+        """Pods per slice: one per VM of four chips (single-host shapes have one)."""
+        return max(1, self.chips // CHIPS_PER_TPU7X_HOST)
+
+    @property
+    def chips_per_host(self) -> int:
+        return min(self.chips, CHIPS_PER_TPU7X_HOST)
+
+    @property
+    def devices(self) -> int:
+        return self.chips * TENSORCORES_PER_TPU7X_CHIP
+
+    @property
+    def machine_type(self) -> str:
+        return "tpu7x-standard-1t" if self.chips == 1 else "tpu7x-standard-4t"
+
+
+def tpu7x_slice(topology: str) -> TPUSlice:
+    """Parse and check a tpu7x topology ``AxBxC``.
+
+    Raises:
+        ValueError: naming the valid shapes when ``topology`` is not one GKE offers.
+    """
+    try:
+        dims = tuple(int(d) for d in topology.split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise ValueError(f"{topology!r} is not of the form AxBxC; {valid_tpu7x_topologies()}")
+    chips = dims[0] * dims[1] * dims[2]
+    if topology in _SMALL_TPU7X_TOPOLOGIES:
+        return TPUSlice(topology, chips)
+    a, b, c = dims
+    cubes = (a // 4) * (b // 4) * (c // 4)
+    if all(d % 4 == 0 for d in dims) and a <= b <= c and cubes <= _MAX_CUBES:
+        return TPUSlice(topology, chips)
+    raise ValueError(f"{topology!r} is not a tpu7x topology; {valid_tpu7x_topologies()}")
+
+
+def valid_tpu7x_topologies() -> str:
+    return (
+        f"valid: {', '.join(_SMALL_TPU7X_TOPOLOGIES)}, or AxBxC with A, B, C multiples of 4, A <= B <= C and at most "
+        f"{_MAX_CUBES} 4x4x4 cubes (e.g. 4x4x4, 4x4x8, 4x8x8, 8x8x8, 8x8x16, 8x16x16, 16x16x16)"
+    )

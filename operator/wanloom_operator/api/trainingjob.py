@@ -1,0 +1,360 @@
+"""The TrainingJob API (wanloom.dev/v1alpha1): the single source of truth for the CRD, the operator and the trainer.
+
+Every field's description becomes its CRD description. Per-field rules (types, enums, bounds) live on the fields;
+rules that span fields live in ``validation.py`` and, where CEL can express them, in ``x-kubernetes-validations``
+on the owning model (``cel_rules`` below) so the API server rejects them too.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "wanloom.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+SINGULAR = "trainingjob"
+SHORT_NAMES = ("tj",)
+
+Variant = Literal["wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "tiny"]
+# Inference boundary between the experts as a fraction of the 1000-step schedule (official Wan 2.2 configs);
+# None marks a single-model variant, for which routing has no boundary.
+DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
+    "wan2.2-t2v-a14b": 0.875,
+    "wan2.2-i2v-a14b": 0.900,
+    "wan2.2-ti2v-5b": None,
+    "tiny": 0.875,
+}
+DType = Literal["float32", "bfloat16"]
+Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Invalid"]
+
+
+class _Model(BaseModel):
+    """Base: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True, frozen=True
+    )
+    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = ()  # (rule, message) pairs emitted into the CRD
+
+
+class ModelSpec(_Model):
+    variant: Variant = Field(description="Wan model to train; 'tiny' is a two-expert toy model for CPU runs.")
+    weights: str | None = Field(
+        None,
+        description="Diffusers-layout checkpoint root (gs:// or a path) with transformer/ (high-noise expert) and "
+        "transformer_2/ (low-noise); unset starts from random weights.",
+    )
+    param_dtype: DType = Field("float32", description="Master weight and optimizer state dtype.")
+    compute_dtype: DType = Field("bfloat16", description="Matmul and activation dtype.")
+
+
+class RoutingSpec(_Model):
+    boundary_ratio: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="High-noise expert takes t >= boundaryRatio*1000. Defaults per variant (0.875 T2V, 0.900 I2V); "
+        "must be unset for the single-model wan2.2-ti2v-5b.",
+    )
+    mode: Literal["per-sample", "per-batch"] = Field(
+        "per-sample", description="per-sample: each sample's t picks its expert; per-batch: one draw per step."
+    )
+    sampling: Literal["uniform", "logit-normal"] = Field("logit-normal", description="Timestep distribution.")
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal sampler.")
+    logit_std: float = Field(1.0, gt=0.0, description="Standard deviation of the logit-normal sampler.")
+    shift: float = Field(1.0, gt=0.0, description="Time shift s: sigma' = s*sigma/(1+(s-1)*sigma); 1 disables it.")
+    loss_weighting: Literal["none", "bell"] = Field(
+        "none", description="Per-timestep loss weight, normalised over the 1000-point grid."
+    )
+
+
+class SyntheticDataSpec(_Model):
+    samples: int = Field(64, ge=1, le=10_000_000, description="Number of synthetic samples to generate.")
+    seed: int = Field(0, ge=0, description="Seed of the synthetic generator.")
+
+
+class DataSpec(_Model):
+    uri: str = Field(
+        min_length=1,
+        description="Dataset root (gs://bucket/prefix or a path) holding WebDataset shards of precomputed latents.",
+    )
+    index: str | None = Field(None, description="Shape index file; defaults to <uri>/index.json.")
+    synthetic: SyntheticDataSpec | None = Field(
+        None, description="Generate a synthetic mixed-shape dataset at uri first if none is there (local runs)."
+    )
+    prefetch: int = Field(4, ge=0, le=64, description="Micro-batches prefetched ahead of the step.")
+    max_bad_samples: int = Field(
+        100, ge=0, description="Corrupt or missing samples skipped (and counted) before the run fails."
+    )
+
+
+class BucketSpec(_Model):
+    frames: int = Field(ge=1, description="Pixel frames (1 for images).")
+    height: int = Field(ge=16, description="Pixel height.")
+    width: int = Field(ge=16, description="Pixel width.")
+
+
+class AdaptiveLoadSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "self.costModel != 'power' || has(self.computeBudget) || has(self.benchFile)",
+            "costModel 'power' needs computeBudget (and exponent) or a benchFile to fit them from",
+        ),
+    )
+    enabled: bool = Field(True, description="Plan per-rank work with AdaptiveLoad; off means equal-token batches.")
+    scheduler: Literal["balanced", "paper", "equal-tokens"] = Field(
+        "balanced",
+        description="balanced: per-step min-max assignment of samples to ranks; paper: dual-constraint batch sizes "
+        "per bucket; equal-tokens: B*S = memoryBudgetTokens.",
+    )
+    memory_budget_tokens: int = Field(
+        32_768, ge=1, description="M_mem: tokens one rank holds in a micro-batch (B*S <= M_mem)."
+    )
+    compute_budget: float | None = Field(None, gt=0.0, description="M_comp in B*S^p <= M_comp; fitted when unset.")
+    exponent: float | None = Field(None, ge=1.0, le=3.0, description="p in B*S^p <= M_comp; fitted when unset.")
+    cost_model: Literal["auto", "power", "two-term"] = Field(
+        "auto",
+        description="Step-time model: power t=a+b*B*S^p, two-term t=a+B*(alpha*S+beta*S^2), auto picks by "
+        "held-out error (analytic FLOPs when no benchmark exists).",
+    )
+    bench_file: str | None = Field(None, description="Shape-benchmark JSON (wanloom plan --bench) to fit from.")
+    buckets: list[BucketSpec] | None = Field(
+        None, description="Shape buckets; derived from the dataset's shape index when unset."
+    )
+
+
+class KernelsSpec(_Model):
+    adaln: Literal["fused", "reference"] = Field(
+        "reference", description="fused: Pallas (TPU) / Triton (GPU) LayerNorm+modulate; reference: framework ops."
+    )
+    attention: Literal["auto", "xla", "splash", "sdpa", "flash"] = Field(
+        "auto", description="auto: splash on TPU, sdpa on GPU, xla elsewhere."
+    )
+
+
+class ParallelismSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "[self.data, self.fsdp, self.context, self.tensor].filter(d, d == -1).size() <= 1",
+            "at most one parallelism degree may be -1 (fill the remaining devices)",
+        ),
+    )
+    data: int = Field(1, ge=-1, description="Pure data-parallel (replicated) degree; -1 fills the remaining devices.")
+    fsdp: int = Field(-1, ge=-1, description="Fully-sharded data-parallel degree; -1 fills the remaining devices.")
+    context: int = Field(1, ge=-1, description="Context (sequence) parallel degree.")
+    tensor: int = Field(1, ge=-1, description="Tensor parallel degree.")
+    remat: Literal["none", "full", "save-matmuls", "save-attention"] = Field(
+        "save-attention",
+        description="Activation rematerialisation: none, full, save-matmuls (save matmul outputs without a batch "
+        "dimension), save-attention (save attention outputs, recompute the rest).",
+    )
+
+    def degrees(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+
+
+class OptimizerSpec(_Model):
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW (beta1, beta2)."
+    )
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    clip_grad_norm: float | None = Field(None, gt=0.0, description="Global-norm clipping per expert; unset disables.")
+    per_expert_lr_scaling: bool = Field(
+        False, description="Scale each expert's learning rate by its expected share of steps."
+    )
+
+
+class CheckpointSpec(_Model):
+    uri: str | None = Field(None, description="Checkpoint root (gs:// or a path); unset disables checkpoints.")
+    interval: int = Field(1000, ge=1, description="Steps between checkpoints.")
+    keep: int = Field(3, ge=1, description="Checkpoints retained (oldest deleted first).")
+
+
+class TrainingSpec(_Model):
+    steps: int = Field(ge=1, description="Total optimizer steps.")
+    global_batch: int = Field(ge=1, description="Samples per global step, over all ranks.")
+    seed: int = Field(0, ge=0, description="Seed of parameters, data order, timesteps and noise.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    log_every: int = Field(1, ge=1, description="Steps between metric updates.")
+
+
+class TPUSpec(_Model):
+    type: Literal["tpu7x"] = Field("tpu7x", description="TPU generation (Ironwood).")
+    topology: str = Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*x[1-9][0-9]*$", description="Slice topology AxBxC.")
+    slices: int = Field(1, ge=1, le=1024, description="Number of slices (multi-slice over DCN).")
+
+
+class GPUSpec(_Model):
+    type: Literal["h100", "h200", "b200", "other"] = Field(description="GPU model; sets the node selector.")
+    per_node: int = Field(8, ge=1, le=16, description="GPUs per node (pod).")
+    nodes: int = Field(1, ge=1, le=4096, description="Nodes (pods).")
+    accelerator_label: str | None = Field(
+        None, description="Value for cloud.google.com/gke-accelerator; defaults per type (required for 'other')."
+    )
+
+
+class CPUSpec(_Model):
+    nodes: int = Field(1, ge=1, le=64, description="Pods (processes).")
+    devices_per_node: int = Field(1, ge=1, le=64, description="Host devices per process.")
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str = ""
+
+
+KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+
+
+class ResourcesSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "[has(self.tpu), has(self.gpu), has(self.cpu)].filter(x, x).size() == 1",
+            "exactly one of tpu, gpu or cpu must be set",
+        ),
+        ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax"),
+    )
+    tpu: TPUSpec | None = Field(None, description="TPU v7x slices (JAX backend).")
+    gpu: GPUSpec | None = Field(None, description="NVIDIA GPU nodes.")
+    cpu: CPUSpec | None = Field(None, description="CPU only: local runs and cluster smoke tests.")
+    backend: Literal["jax", "torch"] | None = Field(
+        None, description="Trainer backend; defaults to jax for tpu and cpu, torch for gpu."
+    )
+    image: str | None = Field(None, description="Trainer image; defaults to the operator's image for the backend.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Added to the rendered node selector.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Added to the rendered tolerations.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra trainer environment; overrides defaults.")
+    volumes: list[KubeObject] = Field(default_factory=list, description="Extra pod volumes (core/v1 Volume).")
+    volume_mounts: list[KubeObject] = Field(default_factory=list, description="Extra trainer volumeMounts.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue; the JobSet is created suspended for Kueue.")
+    priority_class_name: str | None = Field(None, description="Pod priority class.")
+    service_account_name: str | None = Field(None, description="Pod service account.")
+    host_network: bool | None = Field(None, description="Pod host networking; defaults to true on TPU.")
+
+    @property
+    def accelerator(self) -> Literal["tpu", "gpu", "cpu"]:
+        return "tpu" if self.tpu else "gpu" if self.gpu else "cpu"
+
+    @property
+    def resolved_backend(self) -> Literal["jax", "torch"]:
+        if self.backend:
+            return self.backend
+        return "torch" if self.gpu else "jax"
+
+
+class TrainingJobSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "self.model.variant != 'wan2.2-ti2v-5b' || !has(self.routing) || !has(self.routing.boundaryRatio)",
+            "routing.boundaryRatio must be unset for the single-model wan2.2-ti2v-5b",
+        ),
+    )
+    model: ModelSpec
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    data: DataSpec
+    adaptive_load: AdaptiveLoadSpec = Field(default_factory=AdaptiveLoadSpec)
+    kernels: KernelsSpec = Field(default_factory=KernelsSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    training: TrainingSpec
+    resources: ResourcesSpec
+    suspend: bool = Field(False, description="Suspend the job (propagated to the JobSet).")
+    max_restarts: int = Field(3, ge=0, le=1000, description="JobSet restarts before failing; preemptions don't count.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Wall-clock limit of the whole run.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the JobSet this long after it ends.")
+    metrics_port: int = Field(9090, ge=1024, le=65535, description="Trainer Prometheus port.")
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        """The effective boundary: the configured one or the variant's default (None for single-model variants)."""
+        if self.routing.boundary_ratio is not None:
+            return self.routing.boundary_ratio
+        return DEFAULT_BOUNDARY_RATIO[self.model.variant]
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = None
+
+
+class ReplicatedJobStatus(_Model):
+    name: str
+    ready: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    active: int = 0
+    suspended: int = 0
+
+
+class Progress(_Model):
+    step: int | None = Field(None, description="Last completed optimizer step.")
+    total_steps: int | None = None
+    step_time_seconds: float | None = Field(None, description="Latest step time (slowest rank).")
+    load_imbalance_cv: float | None = Field(
+        None, alias="loadImbalanceCV", description="CV of measured per-rank step times."
+    )
+    tokens_per_second: float | None = None
+    loss: float | None = None
+    last_checkpoint_step: int | None = None
+    updated_at: datetime | None = None
+
+
+class TrainingJobStatus(_Model):
+    phase: Phase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+    restarts: int = 0
+    replicated_jobs: list[ReplicatedJobStatus] = Field(default_factory=list)
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    progress: Progress | None = None
+    message: str | None = Field(None, description="Human-readable summary of the latest problem, if any.")
+
+
+class ObjectMeta(_Model):
+    """The parts of metadata the API reads; everything else passes through untouched."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True)
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class TrainingJob(_Model):
+    api_version: Literal["wanloom.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["TrainingJob"] = "TrainingJob"
+    metadata: ObjectMeta
+    spec: TrainingJobSpec
+    status: TrainingJobStatus | None = None
+
+
+PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Step time", "type": "number", "jsonPath": ".status.progress.stepTimeSeconds"},
+    {"name": "Load CV", "type": "number", "jsonPath": ".status.progress.loadImbalanceCV"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+)

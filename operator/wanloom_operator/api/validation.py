@@ -1,0 +1,267 @@
+"""Validation of TrainingJob manifests: every problem at once, each naming its field path, the bad value and what is
+valid.
+
+Schema errors come from pydantic; rules that span fields are the ``_check_*`` functions below, run once the
+types are right. The CLI, the operator and the tests all call :func:`validate_trainingjob`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from wanloom_operator.api.topology import tpu7x_slice
+from wanloom_operator.api.trainingjob import DEFAULT_BOUNDARY_RATIO, TrainingJob, TrainingJobSpec
+
+_URI_SCHEMES = ("gs://",)
+_GPUS_PER_NODE = {"h100": 8, "h200": 8, "b200": 8}
+
+
+@dataclass(frozen=True)
+class FieldError:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Validated:
+    """The outcome of validating one manifest: the typed job, or the errors (never both)."""
+
+    job: TrainingJob | None
+    errors: tuple[FieldError, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.job is not None
+
+
+class InvalidTrainingJob(ValueError):
+    def __init__(self, errors: tuple[FieldError, ...], source: str = "TrainingJob") -> None:
+        self.errors = errors
+        super().__init__(f"{source} is invalid:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def validate_trainingjob(doc: Any) -> Validated:
+    """Validate one TrainingJob object (a parsed YAML/JSON document)."""
+    if not isinstance(doc, dict):
+        return Validated(None, (FieldError("<root>", f"expected a mapping (a TrainingJob), got {type(doc).__name__}"),))
+    try:
+        job = TrainingJob.model_validate(doc)
+    except ValidationError as exc:
+        return Validated(None, tuple(_from_pydantic(exc)))
+    errors = tuple(error for check in _CHECKS for error in check(job.spec))
+    return Validated(None, errors) if errors else Validated(job, ())
+
+
+def parse_trainingjob(doc: Any, source: str = "TrainingJob") -> TrainingJob:
+    """Validate and return the typed job, or raise :class:`InvalidTrainingJob` listing every error."""
+    result = validate_trainingjob(doc)
+    if result.job is None:
+        raise InvalidTrainingJob(result.errors, source)
+    return result.job
+
+
+def load_trainingjob_file(path: str | Path) -> TrainingJob:
+    """Read one TrainingJob from a YAML file; errors name the file and the field paths."""
+    results = validate_file(path)
+    if len(results) != 1:
+        raise InvalidTrainingJob((FieldError("<file>", f"expected one TrainingJob, found {len(results)}"),), str(path))
+    result = results[0]
+    if result.job is None:
+        raise InvalidTrainingJob(result.errors, str(path))
+    return result.job
+
+
+def validate_file(path: str | Path) -> list[Validated]:
+    """Validate every YAML document of a file (empty documents are ignored)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return [Validated(None, (FieldError("<file>", f"cannot read {path}: {exc.strerror}"),))]
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        return [Validated(None, (FieldError("<file>", f"not valid YAML{at}: {getattr(exc, 'problem', exc)}"),))]
+    if not docs:
+        return [Validated(None, (FieldError("<file>", "holds no YAML document"),))]
+    return [validate_trainingjob(d) for d in docs]
+
+
+def _loc_to_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "<root>"
+
+
+def _from_pydantic(exc: ValidationError) -> Iterator[FieldError]:
+    for err in exc.errors(include_url=False):
+        path = _loc_to_path(err["loc"])
+        if err["type"] == "missing":
+            yield FieldError(path, "required field is missing")
+        elif err["type"] == "extra_forbidden":
+            yield FieldError(path, "unknown field (check the spelling; see docs/trainingjob.md)")
+        else:
+            yield FieldError(path, f"{err['msg']} (got {_show(err.get('input'))})")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_routing(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    if DEFAULT_BOUNDARY_RATIO[spec.model.variant] is None and spec.routing.boundary_ratio is not None:
+        yield FieldError(
+            "spec.routing.boundaryRatio",
+            f"{spec.model.variant} is a single model with no expert boundary; remove boundaryRatio "
+            f"(got {spec.routing.boundary_ratio})",
+        )
+
+
+def _check_resources(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    res = spec.resources
+    chosen = [name for name in ("tpu", "gpu", "cpu") if getattr(res, name) is not None]
+    if len(chosen) != 1:
+        got = ", ".join(chosen) if chosen else "none"
+        yield FieldError("spec.resources", f"set exactly one of tpu, gpu or cpu (got {got})")
+        return
+    if res.tpu is not None:
+        try:
+            tpu7x_slice(res.tpu.topology)
+        except ValueError as exc:
+            yield FieldError("spec.resources.tpu.topology", str(exc))
+        if res.backend == "torch":
+            yield FieldError("spec.resources.backend", "tpu runs the jax backend only (got 'torch')")
+    if res.gpu is not None and res.gpu.type in _GPUS_PER_NODE:
+        per_node = _GPUS_PER_NODE[res.gpu.type]
+        if per_node % res.gpu.per_node:
+            yield FieldError(
+                "spec.resources.gpu.perNode",
+                f"{res.gpu.type} nodes have {per_node} GPUs; perNode must divide {per_node} (got {res.gpu.per_node})",
+            )
+
+
+def device_count(spec: TrainingJobSpec) -> int | None:
+    """Accelerator devices of the whole job (JAX devices on TPU: two per v7x chip), or None if unknown."""
+    res = spec.resources
+    if res.tpu is not None:
+        try:
+            return tpu7x_slice(res.tpu.topology).devices * res.tpu.slices
+        except ValueError:
+            return None
+    if res.gpu is not None:
+        return res.gpu.per_node * res.gpu.nodes
+    if res.cpu is not None:
+        return res.cpu.nodes * res.cpu.devices_per_node
+    return None
+
+
+def resolve_parallelism(degrees: dict[str, int], devices: int) -> dict[str, int]:
+    """Fill the one ``-1`` degree so the product equals ``devices``.
+
+    Raises:
+        ValueError: when the degrees cannot multiply to ``devices``; the message names the degrees and the count.
+    """
+    auto = [k for k, v in degrees.items() if v == -1]
+    if len(auto) > 1:
+        raise ValueError(f"at most one degree may be -1, got -1 for {', '.join(auto)}")
+    if any(v == 0 for v in degrees.values()):
+        raise ValueError(f"degrees must be >= 1 or -1, got {degrees}")
+    fixed = math.prod(v for v in degrees.values() if v != -1)
+    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if auto:
+        if devices % fixed:
+            raise ValueError(f"{shown}: the fixed degrees multiply to {fixed}, which does not divide {devices} devices")
+        return {k: (devices // fixed if v == -1 else v) for k, v in degrees.items()}
+    if fixed != devices:
+        raise ValueError(f"{shown} = {fixed}, but the job has {devices} devices; the product must equal it")
+    return dict(degrees)
+
+
+def _check_parallelism(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    devices = device_count(spec)
+    if devices is None:
+        return
+    try:
+        resolved = resolve_parallelism(spec.parallelism.degrees(), devices)
+    except ValueError as exc:
+        yield FieldError("spec.parallelism", str(exc))
+        return
+    ranks = resolved["data"] * resolved["fsdp"]
+    if spec.training.global_batch < ranks:
+        yield FieldError(
+            "spec.training.globalBatch",
+            f"{spec.training.global_batch} samples cannot feed {ranks} data-parallel ranks (data x fsdp); "
+            f"use at least {ranks}",
+        )
+
+
+def _check_kernels(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    attention, backend, accel = spec.kernels.attention, spec.resources.resolved_backend, spec.resources.accelerator
+    if attention == "splash" and accel != "tpu":
+        yield FieldError("spec.kernels.attention", f"splash attention needs tpu resources (got {accel})")
+    if attention in ("sdpa", "flash") and backend != "torch":
+        yield FieldError("spec.kernels.attention", f"{attention} needs the torch backend; use auto or xla for jax")
+    if attention == "xla" and backend != "jax":
+        yield FieldError("spec.kernels.attention", "xla attention needs the jax backend; use auto, sdpa or flash")
+
+
+def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    uris = {
+        "spec.model.weights": spec.model.weights,
+        "spec.data.uri": spec.data.uri,
+        "spec.data.index": spec.data.index,
+        "spec.training.checkpoint.uri": spec.training.checkpoint.uri,
+        "spec.adaptiveLoad.benchFile": spec.adaptive_load.bench_file,
+    }
+    for path, uri in uris.items():
+        if uri is None:
+            continue
+        scheme, sep, rest = uri.partition("://")
+        if sep and f"{scheme}://" not in _URI_SCHEMES:
+            yield FieldError(path, f"unsupported scheme {scheme!r} in {uri!r}; use gs://bucket/prefix or a path")
+        elif sep and not rest.split("/")[0]:
+            yield FieldError(path, f"{uri!r} names no bucket; use gs://bucket/prefix")
+
+
+def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    if spec.optimizer.warmup_steps > spec.training.steps:
+        yield FieldError(
+            "spec.optimizer.warmupSteps",
+            f"{spec.optimizer.warmup_steps} exceeds training.steps ({spec.training.steps})",
+        )
+    for i, bucket in enumerate(spec.adaptive_load.buckets or ()):
+        if (bucket.frames - 1) % 4:
+            yield FieldError(
+                f"spec.adaptiveLoad.buckets[{i}].frames",
+                f"frames must be 4k+1 (1, 5, ..., 81) to match the VAE's temporal stride (got {bucket.frames})",
+            )
+        for name in ("height", "width"):
+            if getattr(bucket, name) % 16:
+                yield FieldError(
+                    f"spec.adaptiveLoad.buckets[{i}].{name}",
+                    f"must be a multiple of 16 (VAE stride 8 x patch 2) (got {getattr(bucket, name)})",
+                )
+
+
+_CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (
+    _check_routing,
+    _check_resources,
+    _check_parallelism,
+    _check_kernels,
+    _check_uris,
+    _check_training,
+)

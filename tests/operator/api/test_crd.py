@@ -1,0 +1,101 @@
+"""The CRD is generated from the models, committed into the chart, structural, and enforces the CEL rules."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from wanloom_operator.api.crd import trainingjob_crd
+from wanloom_operator.cli.api_commands import CHART_CRD_PATH, chart_crd_text
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "helm" / "wanloom"
+
+
+def _schema() -> dict[str, Any]:
+    return trainingjob_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_committed_crd_matches_models() -> None:
+    committed = (CHART / CHART_CRD_PATH).read_text()
+    assert committed == chart_crd_text(), "helm CRD drifted from the models: run `make crd` and commit"
+
+
+@pytest.mark.parametrize("k8s", ["1.30.0", "1.33.0"])
+def test_crd_validates_strict(k8s: str) -> None:
+    kubernetes_validate.validate(trainingjob_crd(), k8s, strict=True)
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict]]:
+    found = []
+    if isinstance(node, dict):
+        found.append((path, node))
+        for key, value in node.items():
+            found += _walk(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _walk(value, f"{path}[{i}]")
+    return found
+
+
+def test_schema_is_structural() -> None:
+    for path, node in _walk(_schema()):
+        assert "$ref" not in node and "anyOf" not in node, path
+        if "properties" in node:
+            assert node.get("type") == "object", path
+            assert "additionalProperties" not in node, path
+        if node.get("type") == "array":
+            assert "items" in node, path
+
+
+def test_names_columns_and_status() -> None:
+    spec = trainingjob_crd()["spec"]
+    assert spec["names"]["shortNames"] == ["tj"] and spec["scope"] == "Namespaced"
+    version = spec["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Step", "Step time", "Load CV", "Age"]
+
+
+def test_cel_rules_present_where_cross_field() -> None:
+    spec = _schema()["properties"]["spec"]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert any("ti2v-5b" in r for r in rules)
+    resource_rules = [r["rule"] for r in spec["properties"]["resources"]["x-kubernetes-validations"]]
+    assert any("has(self.tpu)" in r for r in resource_rules)
+
+
+def test_defaults_and_bounds_in_schema() -> None:
+    props = _schema()["properties"]["spec"]["properties"]
+    assert props["routing"]["properties"]["mode"]["default"] == "per-sample"
+    ratio = props["routing"]["properties"]["boundaryRatio"]
+    assert ratio["minimum"] == 0 and ratio["exclusiveMinimum"] is True and ratio["exclusiveMaximum"] is True
+    assert props["resources"]["properties"]["gpu"]["properties"]["type"]["enum"] == ["h100", "h200", "b200", "other"]
+    assert "default" not in props["resources"]["properties"]["tpu"]
+
+
+def _as_jsonschema(node: Any) -> Any:
+    """OpenAPI v3 (boolean exclusive bounds) -> JSON Schema draft 4, which has the same semantics."""
+    node = copy.deepcopy(node)
+    for _, sub in _walk(node):
+        for key in [k for k in sub if k.startswith("x-kubernetes")]:
+            del sub[key]
+    return node
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate_against_crd_schema(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    jsonschema.Draft4Validator(_as_jsonschema(_schema())).validate(doc)
+
+
+def test_crd_schema_rejects_bad_enum() -> None:
+    doc = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+    doc["spec"]["model"]["variant"] = "wan9"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(_as_jsonschema(_schema())).validate(doc)

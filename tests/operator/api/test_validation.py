@@ -1,0 +1,135 @@
+"""TrainingJob validation: the examples pass; each broken manifest fails with its field path, without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from wanloom_operator.api.validation import (
+    device_count,
+    load_trainingjob_file,
+    resolve_parallelism,
+    validate_file,
+    validate_trainingjob,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+INVALID = sorted((Path(__file__).parent / "invalid").glob("*.yaml"))
+
+
+def _expected_paths(path: Path) -> list[str]:
+    return [line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# expect:")]
+
+
+def _wanloom(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from wanloom_operator.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_examples_are_valid(path: Path) -> None:
+    [result] = validate_file(path)
+    assert result.errors == ()
+    assert result.job is not None
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
+def test_invalid_manifest_names_field(path: Path) -> None:
+    results = validate_file(path)
+    errors = [str(e) for r in results for e in r.errors]
+    for expected in _expected_paths(path):
+        assert any(e.startswith(expected) for e in errors), f"no error at {expected}: {errors}"
+
+
+def test_cli_validate_examples_exit_zero() -> None:
+    proc = _wanloom("validate", *map(str, JOBS))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(": ok") == len(JOBS)
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
+def test_cli_validate_broken_exit_one_without_traceback(path: Path) -> None:
+    proc = _wanloom("validate", str(path))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for expected in _expected_paths(path):
+        assert expected in proc.stderr
+
+
+def _tiny() -> dict:
+    return yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+
+
+def test_every_problem_reported_at_once() -> None:
+    doc = _tiny()
+    doc["spec"]["model"]["variant"] = "nope"
+    doc["spec"]["training"]["steps"] = 0
+    doc["spec"]["kernels"]["adaln"] = "magic"
+    paths = {e.path for e in validate_trainingjob(doc).errors}
+    assert {"spec.model.variant", "spec.training.steps", "spec.kernels.adaln"} <= paths
+
+
+def test_error_message_shows_value_and_valid_choices() -> None:
+    doc = _tiny()
+    doc["spec"]["model"]["variant"] = "wan9"
+    [error] = validate_trainingjob(doc).errors
+    assert "'wan9'" in error.message and "wan2.2-t2v-a14b" in error.message
+
+
+def test_topology_error_lists_valid_topologies() -> None:
+    [result] = validate_file(Path(__file__).parent / "invalid" / "bad-topology.yaml")
+    [error] = [e for e in result.errors if e.path == "spec.resources.tpu.topology"]
+    assert "4x4x5" in error.message and "4x4x4" in error.message
+
+
+@pytest.mark.parametrize(
+    ("variant", "expected"),
+    [("wan2.2-t2v-a14b", 0.875), ("wan2.2-i2v-a14b", 0.900), ("wan2.2-ti2v-5b", None)],
+)
+def test_boundary_ratio_defaults_per_variant(variant: str, expected: float | None) -> None:
+    doc = _tiny()
+    doc["spec"]["model"]["variant"] = variant
+    job = validate_trainingjob(doc).job
+    assert job is not None and job.spec.boundary_ratio == expected
+
+
+def test_backend_defaults_from_accelerator() -> None:
+    jobs = {p.stem: load_trainingjob_file(p) for p in JOBS}
+    assert jobs["tiny-local"].spec.resources.resolved_backend == "jax"
+    assert jobs["t2v-a14b-tpu7x-2x4x4x4"].spec.resources.resolved_backend == "jax"
+    assert jobs["ti2v-5b-h200-2x8"].spec.resources.resolved_backend == "torch"
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [("t2v-a14b-tpu7x-2x4x4x4", 256), ("i2v-a14b-tpu7x-4x8x8", 512), ("ti2v-5b-h200-2x8", 16), ("tiny-local", 1)],
+)
+def test_device_count(name: str, devices: int) -> None:
+    assert device_count(load_trainingjob_file(ROOT / "jobs" / f"{name}.yaml").spec) == devices
+
+
+def test_resolve_parallelism_fills_auto_degree() -> None:
+    assert resolve_parallelism({"data": 2, "fsdp": -1, "context": 4, "tensor": 1}, 256)["fsdp"] == 32
+    with pytest.raises(ValueError, match="does not divide 16 devices"):
+        resolve_parallelism({"data": 3, "fsdp": -1, "context": 1, "tensor": 1}, 16)
+    with pytest.raises(ValueError, match="must equal it"):
+        resolve_parallelism({"data": 2, "fsdp": 2, "context": 1, "tensor": 1}, 8)
+
+
+def test_load_file_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("apiVersion: wanloom.dev/v1alpha1\nkind: TrainingJob\nmetadata: {name: x}\nspec: {}\n")
+    with pytest.raises(ValueError, match=r"job\.yaml is invalid") as info:
+        load_trainingjob_file(bad)
+    assert "spec.model" in str(info.value)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_trainingjob_file(tmp_path / "missing.yaml")

@@ -1,0 +1,1 @@
+"""Typed, framework-free training configuration derived from a TrainingJob."""
