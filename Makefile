@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install services demo test lint format crd
+.PHONY: install services demo test lint format generate
 
 install: $(STAMP)
 
@@ -35,5 +35,7 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
-crd: $(STAMP)
+# Regenerate the files derived from the typed API (tests fail when these drift).
+generate: $(STAMP)
 	$(VENV)/bin/wanloom crd --chart helm/wanloom
+	$(VENV)/bin/wanloom docs > docs/trainingjob.md

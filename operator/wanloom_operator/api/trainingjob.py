@@ -184,7 +184,7 @@ class TrainingSpec(_Model):
     steps: int = Field(ge=1, description="Total optimizer steps.")
     global_batch: int = Field(ge=1, description="Samples per global step, over all ranks.")
     seed: int = Field(0, ge=0, description="Seed of parameters, data order, timesteps and noise.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Where and how often to save.")
     log_every: int = Field(1, ge=1, description="Steps between metric updates.")
 
 
@@ -267,15 +267,17 @@ class TrainingJobSpec(_Model):
             "routing.boundaryRatio must be unset for the single-model wan2.2-ti2v-5b",
         ),
     )
-    model: ModelSpec
-    routing: RoutingSpec = Field(default_factory=RoutingSpec)
-    data: DataSpec
-    adaptive_load: AdaptiveLoadSpec = Field(default_factory=AdaptiveLoadSpec)
-    kernels: KernelsSpec = Field(default_factory=KernelsSpec)
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    training: TrainingSpec
-    resources: ResourcesSpec
+    model: ModelSpec = Field(description="Which Wan model and where its weights are.")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="Timestep sampling and expert routing.")
+    data: DataSpec = Field(description="Precomputed-latent dataset.")
+    adaptive_load: AdaptiveLoadSpec = Field(
+        default_factory=AdaptiveLoadSpec, description="Shape-aware batch sizing and per-step rank balancing."
+    )
+    kernels: KernelsSpec = Field(default_factory=KernelsSpec, description="Kernel implementations.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Device mesh and remat.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW per expert.")
+    training: TrainingSpec = Field(description="Steps, batch, seed and checkpoints.")
+    resources: ResourcesSpec = Field(description="Accelerators, image and scheduling.")
     suspend: bool = Field(False, description="Suspend the job (propagated to the JobSet).")
     max_restarts: int = Field(3, ge=0, le=1000, description="JobSet restarts before failing; preemptions don't count.")
     active_deadline_seconds: int | None = Field(None, ge=1, description="Wall-clock limit of the whole run.")
@@ -322,14 +324,16 @@ class Progress(_Model):
 
 
 class TrainingJobStatus(_Model):
-    phase: Phase | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
-    restarts: int = 0
-    replicated_jobs: list[ReplicatedJobStatus] = Field(default_factory=list)
-    start_time: datetime | None = None
-    completion_time: datetime | None = None
-    progress: Progress | None = None
+    phase: Phase | None = Field(None, description="Lifecycle phase, derived from the JobSet.")
+    conditions: list[Condition] = Field(default_factory=list, description="Kubernetes conditions, keyed by type.")
+    observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
+    restarts: int = Field(0, description="JobSet restarts so far.")
+    replicated_jobs: list[ReplicatedJobStatus] = Field(
+        default_factory=list, description="Job counts per replicated job, from the JobSet."
+    )
+    start_time: datetime | None = Field(None, description="When the JobSet was first running.")
+    completion_time: datetime | None = Field(None, description="When the job succeeded or failed.")
+    progress: Progress | None = Field(None, description="Training progress read from rank 0's metrics.")
     message: str | None = Field(None, description="Human-readable summary of the latest problem, if any.")
 
 

@@ -10,6 +10,7 @@ import typer
 import yaml
 
 from wanloom_operator.api.crd import trainingjob_crd
+from wanloom_operator.api.reference_doc import trainingjob_reference
 from wanloom_operator.api.validation import validate_file
 
 CHART_CRD_PATH = Path("templates/crds/trainingjobs.wanloom.dev.yaml")
@@ -53,6 +54,11 @@ def crd(
     typer.echo(f"wrote {target}")
 
 
+def docs() -> None:
+    """Print the TrainingJob field reference (docs/trainingjob.md) generated from the typed API."""
+    typer.echo(trainingjob_reference(), nl=False)
+
+
 def version() -> None:
     """Print the wanloom version."""
     try:
@@ -64,4 +70,5 @@ def version() -> None:
 def register(app: typer.Typer) -> None:
     app.command()(validate)
     app.command()(crd)
+    app.command()(docs)
     app.command()(version)

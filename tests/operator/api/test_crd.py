@@ -24,7 +24,7 @@ def _schema() -> dict[str, Any]:
 
 def test_committed_crd_matches_models() -> None:
     committed = (CHART / CHART_CRD_PATH).read_text()
-    assert committed == chart_crd_text(), "helm CRD drifted from the models: run `make crd` and commit"
+    assert committed == chart_crd_text(), "helm CRD drifted from the models: run `make generate` and commit"
 
 
 @pytest.mark.parametrize("k8s", ["1.30.0", "1.33.0"])
@@ -99,3 +99,10 @@ def test_crd_schema_rejects_bad_enum() -> None:
     doc["spec"]["model"]["variant"] = "wan9"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(_as_jsonschema(_schema())).validate(doc)
+
+
+def test_reference_doc_matches_models() -> None:
+    from wanloom_operator.api.reference_doc import trainingjob_reference
+
+    committed = (ROOT / "docs" / "trainingjob.md").read_text()
+    assert committed == trainingjob_reference(), "docs/trainingjob.md drifted: run `wanloom docs > docs/trainingjob.md`"

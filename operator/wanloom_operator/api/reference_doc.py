@@ -1,0 +1,96 @@
+"""Render docs/trainingjob.md, the field reference, from the same models the CRD comes from (`wanloom docs`)."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from wanloom_operator.api import trainingjob as tj
+
+_INTRO = """# TrainingJob reference (`wanloom.dev/v1alpha1`)
+
+Generated from `wanloom_operator.api.trainingjob` by `wanloom docs > docs/trainingjob.md`; a test fails when it
+drifts. `wanloom validate FILE` runs every rule below plus the cross-field rules listed at the end, and reports
+each problem with its field path. Examples: `jobs/`.
+"""
+
+_CROSS_FIELD = """## Cross-field rules
+
+- `resources`: exactly one of `tpu`, `gpu`, `cpu`; `tpu` runs `backend: jax` only.
+- `resources.tpu.topology`: a tpu7x shape (1x1x1, 2x2x1, 2x2x2, 2x2x4, 2x4x4, or AxBxC with A, B, C multiples
+  of 4, A <= B <= C, at most 144 4x4x4 cubes). Hosts (pods) per slice = chips / 4; JAX devices = 2 per chip.
+- `resources.gpu.perNode` divides 8 for h100, h200 and b200.
+- `parallelism`: data x fsdp x context x tensor equals the job's devices; one degree may be -1 to fill the rest.
+- `training.globalBatch` >= data x fsdp (every data-parallel rank gets a sample).
+- `routing.boundaryRatio` must be unset for `wan2.2-ti2v-5b` (one model, no experts); defaults: 0.875 T2V,
+  0.900 I2V, 0.875 tiny.
+- `kernels.attention`: `splash` needs TPU; `sdpa`/`flash` need the torch backend; `xla` the jax backend.
+- URIs (`model.weights`, `data.uri`, `data.index`, `training.checkpoint.uri`, `adaptiveLoad.benchFile`) are
+  `gs://bucket/prefix` or paths.
+- `optimizer.warmupSteps` <= `training.steps`; bucket frames are 4k+1 and sides multiples of 16.
+"""
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (list, tuple):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "map"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _nested_models(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _nested_models(a)]
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        return ""
+    if field.default is PydanticUndefined:
+        return "required"
+    return "" if field.default is None else f"`{field.default}`"
+
+
+def _section(model: type[BaseModel]) -> list[str]:
+    lines = [f"### {model.__name__}", "", "| field | type | default | description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        bounds = [f"{k} {v}" for m in field.metadata for k, v in _bounds(m)]
+        desc = (field.description or "") + (f" ({', '.join(bounds)})" if bounds else "")
+        lines.append(f"| `{field.alias or name}` | {_type_name(field.annotation)} | {_default(field)} | {desc} |")
+    return [*lines, ""]
+
+
+def _bounds(meta: Any) -> list[tuple[str, Any]]:
+    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "pattern": "matches"}
+    return [(sym, getattr(meta, key)) for key, sym in symbols.items() if getattr(meta, key, None) is not None]
+
+
+def trainingjob_reference() -> str:
+    """The markdown field reference of TrainingJob's spec and status."""
+    seen: list[type[BaseModel]] = []
+    queue: list[type[BaseModel]] = [tj.TrainingJobSpec, tj.TrainingJobStatus]
+    while queue:
+        model = queue.pop(0)
+        if model in seen:
+            continue
+        seen.append(model)
+        for field in model.model_fields.values():
+            queue += _nested_models(field.annotation)
+    body = [line for model in seen for line in _section(model)]
+    return "\n".join([_INTRO, "## Fields", "", *body, _CROSS_FIELD])
