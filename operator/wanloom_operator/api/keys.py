@@ -1,6 +1,6 @@
 """Names shared by the operator (which writes them into pods) and the trainer (which reads them).
 
-The environment contract (docs/architecture.md, "Start-up contract"): the operator renders these variables into
+The environment contract (docs/startup-contract.md): the operator renders these variables into
 every trainer container; ``wanloom_trainer`` reads them in one place at start-up. Values that differ per pod come
 from the downward API (JobSet labels and the Job completion index), so one pod template serves every rank.
 """

@@ -137,6 +137,7 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
 )
 
 ALL_METRICS = TRAINER_METRICS + OPERATOR_METRICS
+SKIP_REASONS = ("missing", "corrupt", "io")  # values of the `reason` label of wanloom_skipped_samples_total
 EXPERT_LABELS = ("high_noise", "low_noise")  # values of the `expert` label, indexed by routing's expert id
 
 

@@ -23,7 +23,7 @@ _CROSS_FIELD = """## Cross-field rules
 - `resources`: exactly one of `tpu`, `gpu`, `cpu`; `tpu` runs `backend: jax` only.
 - `resources.tpu.topology`: a tpu7x shape (1x1x1, 2x2x1, 2x2x2, 2x2x4, 2x4x4, or AxBxC with A, B, C multiples
   of 4, A <= B <= C, at most 144 4x4x4 cubes). Hosts (pods) per slice = chips / 4; JAX devices = 2 per chip.
-- `resources.gpu.perNode` divides 8 for h100, h200 and b200.
+- `resources.gpu.perNode` divides 8 for h100, h200 and b200; the torch backend on `cpu` takes `devicesPerNode: 1`.
 - `parallelism`: data x fsdp x context x tensor equals the job's devices; one degree may be -1 to fill the rest.
 - `training.globalBatch` >= data x fsdp (every data-parallel rank gets a sample).
 - `routing.boundaryRatio` must be unset for `wan2.2-ti2v-5b` (one model, no experts); defaults: 0.875 T2V,

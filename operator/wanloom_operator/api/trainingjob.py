@@ -199,7 +199,9 @@ class GPUSpec(_Model):
     per_node: int = Field(8, ge=1, le=16, description="GPUs per node (pod).")
     nodes: int = Field(1, ge=1, le=4096, description="Nodes (pods).")
     accelerator_label: str | None = Field(
-        None, description="Value for cloud.google.com/gke-accelerator; defaults per type (required for 'other')."
+        None,
+        description="Value for cloud.google.com/gke-accelerator; defaults per type; unset with 'other' adds no "
+        "accelerator selector (use nodeSelector).",
     )
 
 

@@ -145,6 +145,12 @@ def _check_resources(spec: TrainingJobSpec) -> Iterator[FieldError]:
             yield FieldError("spec.resources.tpu.topology", str(exc))
         if res.backend == "torch":
             yield FieldError("spec.resources.backend", "tpu runs the jax backend only (got 'torch')")
+    if res.cpu is not None and res.resolved_backend == "torch" and res.cpu.devices_per_node > 1:
+        yield FieldError(
+            "spec.resources.cpu.devicesPerNode",
+            f"the torch backend runs one process per device; use nodes for more processes "
+            f"(got devicesPerNode {res.cpu.devices_per_node})",
+        )
     if res.gpu is not None and res.gpu.type in _GPUS_PER_NODE:
         per_node = _GPUS_PER_NODE[res.gpu.type]
         if per_node % res.gpu.per_node:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from wanloom_operator.cli import api_commands
+from wanloom_operator.cli import api_commands, data_commands, operator_commands, trainer_commands
 
 app = typer.Typer(
     name="wanloom",
@@ -18,6 +18,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 api_commands.register(app)
+operator_commands.register(app)
+trainer_commands.register(app)
+data_commands.register(app)
 
 
 def main() -> None:

@@ -1,0 +1,70 @@
+"""TrainingJob condition types and reasons (Kubernetes ``metav1.Condition`` style, keyed by ``type``).
+
+Part of the API contract: the operator writes them, `kubectl` users and dashboards read them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+# Types
+VALID = "Valid"  # False: the latest spec was rejected (message: every field error)
+CREATED = "Created"  # the JobSet exists (created, or adopted after an operator restart)
+RUNNING = "Running"  # every pod of every Job is ready
+RESTARTING = "Restarting"  # the JobSet is recreating its Jobs after a failure or a disruption
+SUSPENDED = "Suspended"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended
+
+# Reasons
+REASON_VALID = "Valid"
+REASON_INVALID = "InvalidSpec"
+REASON_CREATED = "JobSetCreated"
+REASON_ADOPTED = "JobSetAdopted"
+REASON_NAME_CONFLICT = "JobSetNameConflict"
+REASON_RECREATED = "JobSetRecreated"
+REASON_SPEC_APPLIED = "SpecApplied"
+REASON_NOT_SUSPENDED = "NotSuspended"
+REASON_QUEUED = "WaitingForAdmission"
+REASON_JOBSET_DELETED = "JobSetDeleted"
+
+Status = Literal["True", "False", "Unknown"]
+
+
+def now_rfc3339(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    type_: str,
+    status: Status,
+    reason: str,
+    message: str = "",
+    *,
+    now: str,
+    generation: int | None = None,
+) -> list[dict[str, Any]]:
+    """A copy of ``conditions`` with ``type_`` set; its lastTransitionTime moves only when the status changes."""
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    changed_at = (
+        old["lastTransitionTime"] if old and old.get("status") == status and "lastTransitionTime" in old else now
+    )
+    new: dict[str, Any] = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": changed_at,
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    if old is None:
+        return [*conditions, new]
+    return [new if c is old else c for c in conditions]  # in place: no reordering, no spurious diffs
+
+
+def condition_status(conditions: list[dict[str, Any]], type_: str) -> str | None:
+    return next((c.get("status") for c in conditions if c.get("type") == type_), None)

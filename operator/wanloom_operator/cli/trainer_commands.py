@@ -1,0 +1,84 @@
+"""`wanloom run` (train a TrainingJob on this machine) and `wanloom plan` (AdaptiveLoad's step plans).
+
+The trainer (jax/torch) is imported inside the commands, so the rest of the CLI starts without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file
+
+
+def run(
+    file: Annotated[Path, typer.Argument(help="TrainingJob YAML, e.g. jobs/tiny-local.yaml.")],
+    processes: Annotated[
+        int, typer.Option(help="Local processes, started like pods (jax.distributed over 127.0.0.1); CPU jobs only.")
+    ] = 1,
+    steps: Annotated[int | None, typer.Option(help="Override spec.training.steps.")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Prometheus port (process i serves port+i); 0 disables. Default: spec.")
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option(help="Where the step log, loss plot and process logs go. Default: runs/<name>.")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Train a TrainingJob locally: synthetic data if asked, both experts, checkpoints, a loss plot, metrics."""
+    from wanloom_trainer.train import launch
+
+    try:
+        job = launch.with_overrides(
+            load_trainingjob_file(file), steps=steps, processes=processes if processes != 1 else None
+        )
+    except (InvalidTrainingJob, ValueError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    where = str(run_dir.resolve()) if run_dir else launch.default_run_dir(job)
+    port = job.spec.metrics_port if metrics_port is None else metrics_port
+    if processes > 1:
+        typer.echo(f"starting {processes} processes (logs of 1..{processes - 1} in {where}/logs)")
+        raise typer.Exit(launch.run_processes(job, processes, run_dir=where, metrics_port=port))
+    if port:
+        typer.echo(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    result = launch.run_in_process(job, run_dir=where, metrics_port=port, progress=progress)
+    _summary(result, where)
+
+
+def _summary(result: object, run_dir: str) -> None:
+    records = getattr(result, "records", [])
+    if not records:
+        typer.echo(
+            f"nothing to do: the latest checkpoint is at step {getattr(result, 'start_step', '?')}, the end of the "
+            "run; delete its checkpoint directory (spec.training.checkpoint.uri) to train again"
+        )
+    if records:
+        first, last = records[0], records[-1]
+        typer.echo(f"steps {first.step}..{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}")
+    checkpoints = getattr(result, "checkpoints", [])
+    if checkpoints:
+        typer.echo(f"checkpoints at steps {', '.join(map(str, checkpoints))}")
+    plot = getattr(result, "plot", None)
+    typer.echo(f"step log: {run_dir}/steps.jsonl" + (f"; loss curve: {plot}" if plot else ""))
+
+
+def plan(
+    file: Annotated[Path, typer.Argument(help="TrainingJob YAML.")],
+    bench: Annotated[Path | None, typer.Option(help="Shape-benchmark JSON to fit the cost model from.")] = None,
+) -> None:
+    """Show AdaptiveLoad's batch plan for a TrainingJob (buckets, batch sizes, balance)."""
+    from wanloom_trainer.adaptiveload.report import run_plan
+
+    try:
+        typer.echo(run_plan(file, bench))
+    except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+    app.command("plan")(plan)

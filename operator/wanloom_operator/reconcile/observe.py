@@ -1,0 +1,124 @@
+"""JobSet -> TrainingJob status: on every JobSet event, and periodically with rank 0's progress while Running.
+
+The status written here (phase, conditions, restarts, per-replicated-job counts, progress) is derived by the pure
+functions in status.py and progress.py; a write happens only when something changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from wanloom_operator.api import conditions as cond
+from wanloom_operator.api import keys
+from wanloom_operator.api.trainingjob import API_VERSION, KIND
+from wanloom_operator.api.validation import validate_trainingjob
+from wanloom_operator.reconcile import progress
+from wanloom_operator.reconcile.children import manifest, owned_by
+from wanloom_operator.reconcile.runtime import Runtime
+from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status
+from wanloom_operator.render.names import Names, job_names
+from wanloom_operator.render.pods import pod_shape
+
+
+def owner_name(jobset: Mapping[str, Any]) -> str | None:
+    """The name of the TrainingJob controlling ``jobset``, if any."""
+    for ref in (jobset.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion") == API_VERSION and ref.get("controller"):
+            return ref.get("name")
+    return None
+
+
+async def mirror_jobset(jobset: Mapping[str, Any], runtime: Runtime, now: str | None = None) -> dict[str, Any] | None:
+    """Write the status derived from ``jobset`` into its TrainingJob; returns the patch written (None: nothing)."""
+    meta, owner = jobset.get("metadata") or {}, owner_name(jobset)
+    if owner is None:
+        return None
+    now = now or cond.now_rfc3339()
+
+    def compute(trainingjob: dict[str, Any]) -> dict[str, Any] | None:
+        if not owned_by(jobset, trainingjob):
+            return None
+        status = trainingjob.get("status") or {}
+        patch = derive_status(dict(jobset), _intent(trainingjob), status, now)
+        return patch if changed(patch, status) else None
+
+    return await runtime.cluster.update_trainingjob_status(meta["namespace"], owner, compute)
+
+
+async def refresh(
+    body: Mapping[str, Any], runtime: Runtime, previous: progress.Scrape | None, logger: logging.Logger
+) -> progress.Scrape | None:
+    """One periodic pass for a TrainingJob: re-derive its status from the JobSet, and read progress if Running.
+
+    Returns the metrics read this time (the next pass measures step time against it).
+    """
+    names = _names(body, runtime)
+    if names is None:
+        return previous
+    namespace, name, now = body["metadata"]["namespace"], body["metadata"]["name"], cond.now_rfc3339()
+    jobset = await runtime.cluster.get_jobset(namespace, names.jobset)
+    if jobset is not None and not owned_by(jobset, body):
+        jobset = None
+    scrape, progress_patch = previous, None
+    if _phase(jobset, body) == "Running":
+        scrape = await _read_progress(body, names, runtime, logger)
+        if scrape is not None:
+            progress_patch = progress.progress_patch(scrape, previous, now)
+
+    def compute(trainingjob: dict[str, Any]) -> dict[str, Any]:
+        status = trainingjob.get("status") or {}
+        patch: dict[str, Any] = {}
+        if jobset is not None:
+            derived = derive_status(jobset, _intent(trainingjob), status, now)
+            patch = derived if changed(derived, status) else {}
+        if progress_patch:
+            patch["progress"] = progress_patch
+        return patch
+
+    await runtime.cluster.update_trainingjob_status(namespace, name, compute)
+    return scrape
+
+
+def _phase(jobset: Mapping[str, Any] | None, body: Mapping[str, Any]) -> str | None:
+    if jobset is None:
+        return (body.get("status") or {}).get("phase")
+    return derive_phase(dict(jobset), _intent(body)).phase
+
+
+async def _read_progress(
+    body: Mapping[str, Any], names: Names, runtime: Runtime, logger: logging.Logger
+) -> progress.Scrape | None:
+    settings, namespace = runtime.settings, body["metadata"]["namespace"]
+    pods: list[dict[str, Any]] = []
+    if settings.rank0_address == "pod-ip":
+        selector = f"{keys.JOBSET_NAME}={names.jobset},{keys.JOBSET_JOB_INDEX}=0"
+        pods = await runtime.cluster.list_pods(namespace, selector)
+    host = progress.rank0_host(settings.rank0_address, pods, names.jobset, names.pod_fqdn(), namespace)
+    if host is None:
+        logger.debug("rank 0 has no address yet")
+        return None
+    port = int((body.get("spec") or {}).get("metricsPort") or 9090)
+    try:
+        text = await progress.fetch_metrics(host, port, settings.progress_timeout_seconds)
+        return progress.parse_metrics(text)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        logger.info(f"cannot read rank 0's metrics at {host}:{port}: {exc!r}")
+        return None
+
+
+def _names(body: Mapping[str, Any], runtime: Runtime) -> Names | None:
+    """The child names of a valid TrainingJob (None while its spec is invalid)."""
+    result = validate_trainingjob(manifest(body))
+    if result.job is None:
+        return None
+    shape = pod_shape(result.job.spec, runtime.settings)
+    return job_names(result.job.metadata.name, shape.replicated_job, shape.replicas, shape.pods_per_job)
+
+
+def _intent(trainingjob: Mapping[str, Any]) -> Intent:
+    spec = trainingjob.get("spec") or {}
+    return Intent(suspend=bool(spec.get("suspend")), queue_name=(spec.get("resources") or {}).get("queueName"))

@@ -1,0 +1,119 @@
+"""PURE: a JobSet (as the API returns it) -> the TrainingJob status patch (phase, conditions, restarts, counts).
+
+JobSet reports ``Completed``, ``Failed``, ``Suspended`` and ``RestartingJobSet`` conditions and per-replicated-job
+counts of Jobs, but no Running condition; the phase is derived in this order (first match wins):
+
+| JobSet                                              | phase      |
+|-----------------------------------------------------|------------|
+| condition Completed=True                            | Succeeded  |
+| condition Failed=True                               | Failed     |
+| spec.suspend, and the TrainingJob asks to suspend   | Suspended  |
+| spec.suspend otherwise (Kueue has not admitted it)  | Pending    |
+| condition RestartingJobSet=True                     | Restarting |
+| every Job ready (ready + succeeded = replicas)      | Running    |
+| some Job active or ready                            | Starting   |
+| otherwise                                           | Pending    |
+
+A Job is "ready" in JobSet's count when all its pods are ready or done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from wanloom_operator.api import conditions as cond
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+_PHASE_CONDITIONS = {
+    "Running": cond.RUNNING,
+    "Restarting": cond.RESTARTING,
+    "Suspended": cond.SUSPENDED,
+    "Succeeded": cond.SUCCEEDED,
+    "Failed": cond.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What the TrainingJob asks for, as far as the phase depends on it."""
+
+    suspend: bool = False
+    queue_name: str | None = None
+
+
+@dataclass(frozen=True)
+class PhaseInfo:
+    phase: str
+    reason: str
+    message: str = ""
+
+
+def derive_phase(jobset: dict[str, Any], intent: Intent) -> PhaseInfo:
+    """The TrainingJob phase for ``jobset`` (see the module table)."""
+    status = jobset.get("status") or {}
+    true_conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
+    if "Completed" in true_conditions:
+        return PhaseInfo("Succeeded", "JobSetCompleted", true_conditions["Completed"].get("message", ""))
+    if "Failed" in true_conditions:
+        failed = true_conditions["Failed"]
+        return PhaseInfo("Failed", failed.get("reason") or "JobSetFailed", failed.get("message", ""))
+    if (jobset.get("spec") or {}).get("suspend"):
+        if intent.suspend:
+            return PhaseInfo("Suspended", "Suspended", "spec.suspend is true")
+        if intent.queue_name:
+            return PhaseInfo("Pending", cond.REASON_QUEUED, f"queued in Kueue LocalQueue {intent.queue_name!r}")
+        return PhaseInfo("Pending", "Resuming", "the JobSet is being resumed")
+    if "RestartingJobSet" in true_conditions:
+        restarting = true_conditions["RestartingJobSet"]
+        return PhaseInfo("Restarting", restarting.get("reason") or "Restarting", restarting.get("message", ""))
+    expected, ready, started = _job_counts(jobset)
+    if expected and ready >= expected:
+        return PhaseInfo("Running", "AllJobsReady", f"{ready}/{expected} Jobs ready")
+    if started:
+        return PhaseInfo("Starting", "JobsStarting", f"{ready}/{expected} Jobs ready")
+    return PhaseInfo("Pending", "WaitingForPods", "no Job has started yet")
+
+
+def derive_status(jobset: dict[str, Any], intent: Intent, previous: dict[str, Any], now: str) -> dict[str, Any]:
+    """The status patch for the TrainingJob owning ``jobset``; ``previous`` is its current status."""
+    info = derive_phase(jobset, intent)
+    conditions = list(previous.get("conditions") or [])
+    for phase, type_ in _PHASE_CONDITIONS.items():
+        active = info.phase == phase
+        reason = info.reason if active else f"Not{phase}"
+        conditions = cond.set_condition(
+            conditions, type_, "True" if active else "False", reason, info.message if active else "", now=now
+        )
+    js_status = jobset.get("status") or {}
+    patch: dict[str, Any] = {
+        "phase": info.phase,
+        "conditions": conditions,
+        "restarts": int(js_status.get("restarts") or 0),
+        "replicatedJobs": [_replicated_job(r) for r in js_status.get("replicatedJobsStatus") or []],
+    }
+    if info.phase in ("Starting", "Running") and not previous.get("startTime"):
+        patch["startTime"] = now
+    if info.phase in TERMINAL_PHASES:
+        patch["completionTime"] = previous.get("completionTime") or now
+        patch["message"] = info.message or info.reason
+    return patch
+
+
+def changed(patch: dict[str, Any], previous: dict[str, Any]) -> bool:
+    """Whether applying ``patch`` would change ``previous`` (skips no-op status writes)."""
+    return any(previous.get(key) != value for key, value in patch.items())
+
+
+def _job_counts(jobset: dict[str, Any]) -> tuple[int, int, bool]:
+    """(Jobs expected, Jobs ready or succeeded, whether any Job has started)."""
+    expected = sum(int(r.get("replicas", 1)) for r in (jobset.get("spec") or {}).get("replicatedJobs") or [])
+    statuses = (jobset.get("status") or {}).get("replicatedJobsStatus") or []
+    ready = sum(int(s.get("ready", 0)) + int(s.get("succeeded", 0)) for s in statuses)
+    started = any(int(s.get("active", 0)) or int(s.get("ready", 0)) for s in statuses)
+    return expected, ready, started
+
+
+def _replicated_job(status: dict[str, Any]) -> dict[str, Any]:
+    fields = ("ready", "succeeded", "failed", "active", "suspended")
+    return {"name": status.get("name", ""), **{f: int(status.get(f, 0)) for f in fields}}

@@ -1,0 +1,143 @@
+"""What one trainer pod looks like on each accelerator: counts, placement, device requests, command.
+
+TPU v7x follows xpk's slice JobSet (one replicated job, replicas = slices, one pod per 4-chip VM, host networking);
+GPU nodes follow the torchrun convention (one pod per node, all its GPUs); CPU pods are for smoke tests (kind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from wanloom_operator.api import keys
+from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, tpu7x_slice
+from wanloom_operator.api.trainingjob import TrainingJobSpec
+from wanloom_operator.settings import OperatorSettings
+
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+TPU_RESOURCE = "google.com/tpu"
+GPU_RESOURCE = "nvidia.com/gpu"
+GKE_NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"  # the exclusive-topology domain: one slice per node pool
+CONTAINER_NAME = "trainer"
+
+
+@dataclass(frozen=True)
+class PodShape:
+    """The accelerator-specific part of the JobSet: replicas x pods, placement and the container's devices."""
+
+    accelerator: Literal["tpu", "gpu", "cpu"]
+    backend: Literal["jax", "torch"]
+    replicated_job: str  # "slice" on TPU (one Job per slice), "node" otherwise
+    replicas: int  # Jobs: TPU slices, else 1
+    pods_per_job: int  # Job parallelism = completions: hosts per slice, or nodes
+    devices_per_pod: int  # JAX devices (TPU: 2 per chip) or GPUs / CPU processes per pod
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, str], ...] = ()
+    resources: dict[str, dict[str, str]] = field(default_factory=dict)
+    host_network: bool = False
+    exclusive_topology: str | None = None  # the JobSet exclusive-placement domain (TPU: one slice per node pool)
+    coordinator_port: int = keys.JAX_COORDINATOR_PORT
+
+    @property
+    def pods(self) -> int:
+        return self.replicas * self.pods_per_job
+
+
+def pod_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
+    """The shape for the spec's accelerator (``spec`` is validated: exactly one of tpu, gpu or cpu is set)."""
+    res = spec.resources
+    if res.tpu is not None:
+        return _tpu_shape(spec)
+    if res.gpu is not None:
+        return _gpu_shape(spec, settings)
+    return _cpu_shape(spec, settings)
+
+
+def _tpu_shape(spec: TrainingJobSpec) -> PodShape:
+    tpu = spec.resources.tpu
+    assert tpu is not None
+    slice_ = tpu7x_slice(tpu.topology)
+    chips = str(slice_.chips_per_host)
+    host_network = True if spec.resources.host_network is None else spec.resources.host_network
+    return PodShape(
+        accelerator="tpu",
+        backend="jax",
+        replicated_job="slice",
+        replicas=tpu.slices,
+        pods_per_job=slice_.hosts,
+        devices_per_pod=slice_.devices // slice_.hosts,
+        node_selector={TPU_ACCELERATOR_LABEL: tpu.type, TPU_TOPOLOGY_LABEL: tpu.topology},
+        tolerations=({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},),
+        resources={"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}},
+        host_network=host_network,
+        exclusive_topology=GKE_NODEPOOL_LABEL,
+    )
+
+
+def _gpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
+    gpu = spec.resources.gpu
+    assert gpu is not None
+    label = gpu.accelerator_label or GKE_GPU_ACCELERATORS.get(gpu.type)
+    backend = spec.resources.resolved_backend
+    gpus = str(gpu.per_node)
+    return PodShape(
+        accelerator="gpu",
+        backend=backend,
+        replicated_job="node",
+        replicas=1,
+        pods_per_job=gpu.nodes,
+        devices_per_pod=gpu.per_node,
+        # type 'other' without a label: no accelerator selector; spec.resources.nodeSelector places the pods.
+        node_selector={settings.gpu_accelerator_label_key: label} if label else {},
+        tolerations=({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},),
+        resources={"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}},
+        host_network=bool(spec.resources.host_network),
+        coordinator_port=keys.TORCH_MASTER_PORT if backend == "torch" else keys.JAX_COORDINATOR_PORT,
+    )
+
+
+def _cpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
+    cpu = spec.resources.cpu
+    assert cpu is not None
+    backend = spec.resources.resolved_backend
+    return PodShape(
+        accelerator="cpu",
+        backend=backend,
+        replicated_job="node",
+        replicas=1,
+        pods_per_job=cpu.nodes,
+        devices_per_pod=cpu.devices_per_node,
+        resources={"requests": dict(settings.cpu_pod_requests)},
+        host_network=bool(spec.resources.host_network),
+        coordinator_port=keys.TORCH_MASTER_PORT if backend == "torch" else keys.JAX_COORDINATOR_PORT,
+    )
+
+
+def trainer_image(spec: TrainingJobSpec, settings: OperatorSettings) -> str:
+    if spec.resources.image:
+        return spec.resources.image
+    return settings.trainer_image_torch if spec.resources.resolved_backend == "torch" else settings.trainer_image_jax
+
+
+def trainer_command(shape: PodShape) -> tuple[list[str], list[str]]:
+    """(command, args): torchrun for torch (Kubernetes expands ``$(VAR)`` from the env, no shell needed)."""
+    if shape.backend == "jax":
+        return ["python", "-m", "wanloom_trainer"], []
+    return ["torchrun"], [
+        "--nnodes=$(NNODES)",
+        "--nproc-per-node=$(NPROC_PER_NODE)",
+        "--node-rank=$(NODE_RANK)",
+        "--rdzv-backend=static",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "-m",
+        "wanloom_trainer",
+    ]
+
+
+def dns_policy(shape: PodShape, settings: OperatorSettings) -> str:
+    """Host-network pods still need cluster DNS to resolve their peers' JobSet hostnames."""
+    if settings.dns_policy:
+        return settings.dns_policy
+    return "ClusterFirstWithHostNet" if shape.host_network else "ClusterFirst"

@@ -1,0 +1,181 @@
+"""End to end on a real cluster (kind or GKE) with the JobSet controller: the operator turns a CPU TrainingJob into a
+JobSet whose pods really run, follows it to a final phase, suspends and resumes, and its children go with it.
+
+Skipped unless a cluster is reachable through the current kubeconfig and serves jobset.x-k8s.io/v1alpha2 (see
+tests/e2e/README.md, "Operator on a real cluster"). The operator runs here, out of the cluster, with the same code
+as `wanloom operator`. Without a trainer image (WANLOOM_E2E_TRAINER_IMAGE) the pods run a plain Python image that
+has no trainer, so the job must end Failed after one attempt; with the image it must end Succeeded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_IMAGE = os.environ.get("WANLOOM_E2E_TRAINER_IMAGE")
+TIMEOUT = float(os.environ.get("WANLOOM_E2E_TIMEOUT", "600"))
+GROUP, VERSION, PLURAL = "wanloom.dev", "v1alpha1", "trainingjobs"
+
+
+def _clients() -> Any:
+    """The Kubernetes client, or a skip saying why there is no cluster to test against."""
+    kubernetes = pytest.importorskip("kubernetes")
+    try:
+        kubernetes.config.load_kube_config()
+        kubernetes.client.VersionApi().get_code(_request_timeout=5)
+    except Exception as exc:
+        pytest.skip(f"no Kubernetes cluster reachable through the kubeconfig ({type(exc).__name__})")
+    groups = kubernetes.client.ApisApi().get_api_versions().groups
+    if not any(g.name == "jobset.x-k8s.io" for g in groups):
+        pytest.skip("the cluster has no JobSet controller; install it (tests/e2e/README.md)")
+    return kubernetes
+
+
+@pytest.fixture(scope="module")
+def k8s() -> Any:
+    return _clients()
+
+
+@pytest.fixture(scope="module")
+def namespace(k8s: Any) -> Iterator[str]:
+    """A throwaway namespace, and the TrainingJob CRD from `wanloom crd` applied to the cluster."""
+    crd = subprocess.run(
+        [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "crd"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    subprocess.run(["kubectl", "apply", "--server-side", "-f", "-"], input=crd, text=True, check=True)
+    subprocess.run(["kubectl", "wait", "--for=condition=Established", "crd/trainingjobs.wanloom.dev"], check=True)
+    name = f"wanloom-e2e-{uuid.uuid4().hex[:6]}"
+    core = k8s.client.CoreV1Api()
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(k8s: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
+    env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": "5", "WANLOOM_LOG_FORMAT": "plain"}
+    if TRAINER_IMAGE:
+        env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
+    command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator"]
+    command += [f"--namespace={namespace}", "--metrics-port=0", "--liveness-port=0"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield process
+    # Delete the TrainingJobs while the operator still runs: it removes its finalizer from active ones.
+    api = k8s.client.CustomObjectsApi()
+    api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+    _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 120)
+    process.terminate()
+    output, _ = process.communicate(timeout=60)
+    print(output[-5000:])
+
+
+def _trainingjob(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["maxRestarts"] = 0
+    doc["spec"]["training"]["steps"] = 20
+    if not TRAINER_IMAGE:
+        doc["spec"]["resources"]["image"] = "python:3.11-slim"  # no wanloom_trainer inside: the pod fails
+    doc["spec"] = {**copy.deepcopy(doc["spec"]), **spec}
+    return doc
+
+
+def _wait(check: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _get(k8s: Any, namespace: str, name: str) -> dict[str, Any]:
+    return k8s.client.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def _jobset(k8s: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return k8s.client.CustomObjectsApi().get_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name
+        )
+    except k8s.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def test_trainingjob_runs_to_a_final_phase(k8s: Any, namespace: str, operator: Any) -> None:
+    api = k8s.client.CustomObjectsApi()
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _trainingjob("e2e-run", namespace))
+    jobset = _wait(lambda: _jobset(k8s, namespace, "e2e-run"), "the JobSet")
+    assert jobset["metadata"]["ownerReferences"][0]["kind"] == "TrainingJob"
+    pods = _wait(
+        lambda: (
+            k8s.client.CoreV1Api()
+            .list_namespaced_pod(namespace, label_selector="jobset.sigs.k8s.io/jobset-name=e2e-run")
+            .items
+        ),
+        "a trainer pod",
+    )
+    env = {e.name: e for e in pods[0].spec.containers[0].env}
+    assert env["WANLOOM_HOST_INDEX"].value_from.field_ref.field_path.endswith("job-completion-index']")
+    final = "Succeeded" if TRAINER_IMAGE else "Failed"
+    status = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-run").get("status") or {}).get("phase") == final and s, f"phase {final}"
+    )
+    assert status["replicatedJobs"][0]["name"] == "node"
+    assert any(c["type"] == final and c["status"] == "True" for c in status["conditions"])
+
+
+def test_suspend_resume_and_cascading_deletion(k8s: Any, namespace: str, operator: Any) -> None:
+    api, core = k8s.client.CustomObjectsApi(), k8s.client.CoreV1Api()
+    api.create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, _trainingjob("e2e-suspend", namespace, suspend=True)
+    )
+    _wait(lambda: (_jobset(k8s, namespace, "e2e-suspend") or {}).get("spec", {}).get("suspend") is True, "suspended")
+    _wait(lambda: (_get(k8s, namespace, "e2e-suspend").get("status") or {}).get("phase") == "Suspended", "Suspended")
+    assert not core.list_namespaced_pod(namespace, label_selector="jobset.sigs.k8s.io/jobset-name=e2e-suspend").items
+    api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e-suspend", {"spec": {"suspend": False}})
+    _wait(
+        lambda: core.list_namespaced_pod(namespace, label_selector="jobset.sigs.k8s.io/jobset-name=e2e-suspend").items,
+        "pods after resuming",
+    )
+    api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e-suspend")
+    _wait(lambda: _jobset(k8s, namespace, "e2e-suspend") is None, "the JobSet garbage-collected")
+    _wait(
+        lambda: (
+            not [c for c in core.list_namespaced_config_map(namespace).items if c.metadata.name == "e2e-suspend-config"]
+        ),
+        "the ConfigMap garbage-collected",
+    )
+
+
+def test_invalid_trainingjob_is_reported(k8s: Any, namespace: str, operator: Any) -> None:
+    """The CRD's own schema rejects most mistakes; the operator reports what only it can check."""
+    doc = _trainingjob("e2e-invalid", namespace)
+    doc["spec"]["resources"]["volumes"] = [{"name": "dshm", "emptyDir": {}}]  # reserved by the operator
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    status = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-invalid").get("status") or {}).get("phase") == "Invalid" and s,
+        "phase Invalid",
+        timeout=120,
+    )
+    assert "spec.resources.volumes[0].name" in status["message"]
+    assert _jobset(k8s, namespace, "e2e-invalid") is None

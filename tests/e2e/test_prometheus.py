@@ -1,0 +1,351 @@
+"""End to end with a real Prometheus: scrape a local `wanloom run` of the tiny job, check the contract's metrics
+arrive and run every query of the Grafana dashboard against it.
+
+Prometheus (Debian's package) runs on 127.0.0.1 with a 1 s scrape interval. Its static targets carry the labels a
+PodMonitor would add (`namespace`, `pod`), so the dashboard's `$namespace` variable has something to select. The
+run's dataset misses one shard, so the loader really skips a sample. The operator's panels read the operator's
+real exporter (OperatorMetrics), fed in-process as its handlers would feed it.
+
+Most of the time goes into XLA compiling the tiny model's step shapes (minutes on a busy 2-core machine; the
+compile cache makes a rerun faster), hence `slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from wanloom_operator.api.metrics import TRAINER_METRICS
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "helm" / "wanloom" / "dashboards" / "wanloom.json"
+PROMETHEUS = shutil.which("prometheus")
+NAMESPACE = "wanloom-e2e"
+RATE_INTERVAL = "15s"  # what Grafana's $__rate_interval becomes at a 1 s scrape interval and a short time range
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _wait_for(check: Callable[[], Any], timeout: float, what: str) -> None:
+    """Poll ``check`` until it returns something truthy; the timeout error shows its last answer."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return
+        except OSError as err:
+            last = err
+        time.sleep(0.5)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class Prometheus:
+    """A real Prometheus process scraping static targets every second."""
+
+    def __init__(self, workdir: Path, targets: dict[str, tuple[int, dict[str, str]]]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {
+                    "job_name": job,
+                    "honor_labels": True,  # as the chart's ServiceMonitor: keep the operator's per-job `namespace`
+                    "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": labels}],
+                }
+                for job, (port, labels) in targets.items()
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log = (workdir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [
+                str(PROMETHEUS),
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        _wait_for(lambda: urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200, 30, "Prometheus")
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr} | ({"time": f"{at:.3f}"} if at else {})
+        body = _get_json(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}")
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        query = urllib.parse.urlencode({"match[]": match})
+        return _get_json(f"{self.url}/api/v1/label/{label}/values?{query}")["data"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+# -- what Prometheus scrapes ---------------------------------------------------------------------------------------
+
+
+def _write_job(workdir: Path, name: str) -> Path:
+    """jobs/tiny-local.yaml with its paths in `workdir`, frequent checkpoints and room for the skipped samples."""
+    job = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["data"]["uri"] = str(workdir / "data")
+    job["spec"]["data"]["maxBadSamples"] = 1_000_000
+    job["spec"]["training"]["checkpoint"].update(uri=str(workdir / "checkpoints"), interval=20, keep=1)
+    path = workdir / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def _write_data_with_a_missing_shard(workdir: Path) -> None:
+    """The job's synthetic dataset, one sample per shard, with one shard deleted: the loader skips that sample."""
+    from wanloom_trainer.config.variants import get_variant
+    from wanloom_trainer.data import write_synthetic
+
+    job = yaml.safe_load((workdir / "job.yaml").read_text())["spec"]["data"]
+    synthetic = job["synthetic"]
+    write_synthetic(job["uri"], get_variant("tiny"), synthetic["samples"], synthetic["seed"], samples_per_shard=1)
+    shards = sorted((workdir / "data" / "shards").glob("*.tar"))
+    assert len(shards) == synthetic["samples"], shards
+    shards[len(shards) // 2].unlink()
+
+
+def _wanloom() -> list[str]:
+    script = Path(sys.executable).with_name("wanloom")
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from wanloom_operator.cli import main; main()"]
+
+
+class LocalRun:
+    """`wanloom run` of the tiny job in a subprocess, serving its metrics on `port`."""
+
+    def __init__(self, workdir: Path, job: Path, port: int, compile_cache: Path) -> None:
+        env = dict(os.environ)
+        paths = [str(ROOT / "operator"), str(ROOT / "trainer_images"), env.get("PYTHONPATH", "")]
+        env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), JAX_COMPILATION_CACHE_DIR=str(compile_cache))
+        command = [*_wanloom(), "run", str(job), "--steps", "100000", "--metrics-port", str(port)]
+        command += ["--run-dir", str(workdir / "run"), "--no-progress"]
+        self.log_path = workdir / "wanloom-run.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            pytest.fail(f"wanloom run exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class OperatorExporter:
+    """The operator's real exporter (OperatorMetrics), fed as the handlers feed it while the job runs."""
+
+    def __init__(self, port: int, trainingjob: str) -> None:
+        from wanloom_operator.metrics.operator import OperatorMetrics
+
+        self.metrics = OperatorMetrics()
+        self.metrics.observe_job(
+            NAMESPACE, trainingjob, {"phase": "Running", "progress": {"stepTimeSeconds": 0.1, "loadImbalanceCV": 0.0}}
+        )
+        self.server = self.metrics.serve(port, "127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._reconcile, daemon=True)
+        self._thread.start()
+
+    def _reconcile(self) -> None:  # rate() needs the handler counters to move
+        while not self._stop.wait(0.5):
+            with self.metrics.handler("progress"):
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, LocalRun, str]]:
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus binary is not installed (apt-get install -y --no-install-recommends prometheus)")
+    workdir = tmp_path_factory.mktemp("e2e")
+    # XLA's compile cache outlives this test's temp dir, so a second run skips most of the compiling.
+    compile_cache = tmp_path_factory.getbasetemp().parent / "wanloom-e2e-jax-cache"
+    trainingjob = "tiny-e2e"
+    job = _write_job(workdir, trainingjob)
+    _write_data_with_a_missing_shard(workdir)
+    trainer_port, operator_port = _free_port(), _free_port()
+    run = LocalRun(workdir, job, trainer_port, compile_cache)
+    operator = OperatorExporter(operator_port, trainingjob)
+    prom = None
+    try:
+        prom = Prometheus(
+            workdir,
+            {
+                # The labels a PodMonitor adds to a trainer pod's series.
+                "wanloom-trainer": (trainer_port, {"namespace": NAMESPACE, "pod": f"{trainingjob}-0"}),
+                "wanloom-operator": (operator_port, {"namespace": "wanloom-system"}),
+            },
+        )
+        yield prom, run, trainingjob
+    finally:
+        if prom is not None:
+            prom.stop()
+        run.stop()
+        operator.stop()
+
+
+# -- checks --------------------------------------------------------------------------------------------------------
+
+# Contract series a local CPU run cannot have, and why. Each must really be absent (the test says when it shows up).
+ABSENT_ON_CPU = {
+    "wanloom_mfu_ratio": "a CPU run has no bf16 peak in wanloom_trainer.flops.ACCELERATORS, so it exports no MFU",
+}
+STEADY_STEPS = 5  # optimizer steps inside the last rate window before the queries run
+SKIPPED = "wanloom_skipped_samples_total"
+
+
+def _exposed_name(name: str) -> str:
+    spec = next(m for m in TRAINER_METRICS if m.name == name)
+    return f"{name}_count" if spec.kind == "histogram" else name
+
+
+def _trainer_series(prom: Prometheus) -> set[str]:
+    return {r["metric"]["__name__"] for r in prom.query('{__name__=~"wanloom_.+", job="wanloom-trainer"}')}
+
+
+def _wait_until_training_is_steady(prom: Prometheus, run: LocalRun, timeout: float) -> float:
+    """Wait for the step's contract series and a few steps in the last rate window; return that moment."""
+    expected = {_exposed_name(m.name) for m in TRAINER_METRICS if m.name not in ABSENT_ON_CPU} - {SKIPPED}
+    steady = f"sum(increase(wanloom_step_time_seconds_count[{RATE_INTERVAL}])) >= {STEADY_STEPS}"
+    deadline, missing = time.monotonic() + timeout, expected
+    while time.monotonic() < deadline:
+        run.check_alive()
+        missing = expected - _trainer_series(prom)
+        if not missing and prom.query(steady):
+            return time.time()
+        time.sleep(1)
+    pytest.fail(
+        f"after {timeout:.0f} s: contract metrics not in Prometheus: {sorted(missing)}; "
+        f"wanloom run log:\n{run.log_path.read_text()[-3000:]}"
+    )
+
+
+def _wait_for_skips(prom: Prometheus, run: LocalRun, trainingjob: str, timeout: float) -> None:
+    """The missing shard's sample must be counted under reason="missing" once the loader has skipped it."""
+    query = f'wanloom_skipped_samples_total{{reason="missing", trainingjob="{trainingjob}"}} > 0'
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if prom.query(query):
+            return
+        time.sleep(1)
+    logged = "skipping sample" in run.log_path.read_text()
+    pytest.fail(
+        f"{SKIPPED} never reached Prometheus"
+        + (
+            " although the loader logged skipped samples: the run does not hand the exporter's record_skipped to "
+            "the dataset (open_dataset(..., on_skip=...) / dataset.budget.on_skip in wanloom_trainer.train.run)"
+            if logged
+            else " and the loader logged no skip: the deleted shard was never read"
+        )
+    )
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels if p["type"] != "row" for t in p["targets"]]
+
+
+def _substitute(expr: str, trainingjob: str) -> str:
+    """Grafana's variable substitution for one selected namespace and TrainingJob."""
+    return (
+        expr.replace("$__rate_interval", RATE_INTERVAL)
+        .replace("$namespace", NAMESPACE)
+        .replace("$trainingjob", trainingjob)
+    )
+
+
+def _has_data(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+@pytest.mark.slow
+def test_local_run_feeds_the_contract_and_every_dashboard_query(scraped: tuple[Prometheus, LocalRun, str]) -> None:
+    prom, run, trainingjob = scraped
+    at = _wait_until_training_is_steady(prom, run, timeout=600)
+    series = _trainer_series(prom)
+    outside = {n for n in series if n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+               not in {m.name for m in TRAINER_METRICS}}  # fmt: skip
+    assert not outside, f"series outside the metrics contract: {sorted(outside)}"
+    for name, why in ABSENT_ON_CPU.items():
+        assert _exposed_name(name) not in series, (
+            f"{name} now arrives from a CPU run; drop it from ABSENT_ON_CPU ({why})"
+        )
+    assert not prom.query('{__name__=~"wanloom_.+", exported_job!=""}'), "a wanloom series exported a `job` label"
+
+    no_data, unexpected = [], []
+    for title, expr in _dashboard_queries():
+        result = prom.query(_substitute(expr, trainingjob), at)
+        if any(name in expr for name in ABSENT_ON_CPU):
+            if _has_data(result):
+                unexpected.append(f"{title}: {expr}")
+        elif not _has_data(result):
+            no_data.append(f"{title}: {expr} -> {result}")
+    assert not no_data, "dashboard queries without data:\n" + "\n".join(no_data)
+    assert not unexpected, "queries on ABSENT_ON_CPU metrics returned data; update the list:\n" + "\n".join(unexpected)
+
+
+@pytest.mark.slow
+def test_skipped_samples_are_counted(scraped: tuple[Prometheus, LocalRun, str]) -> None:
+    prom, run, trainingjob = scraped
+    _wait_until_training_is_steady(prom, run, timeout=600)
+    _wait_for_skips(prom, run, trainingjob, timeout=30)
+
+
+@pytest.mark.slow
+def test_dashboard_variables_resolve(scraped: tuple[Prometheus, LocalRun, str]) -> None:
+    prom, run, trainingjob = scraped
+    _wait_for(lambda: prom.query("wanloom_step") or run.check_alive(), 600, "wanloom_step")
+    assert NAMESPACE in prom.label_values("namespace", "wanloom_step")
+    assert trainingjob in prom.label_values("trainingjob", f'wanloom_step{{namespace=~"{NAMESPACE}"}}')

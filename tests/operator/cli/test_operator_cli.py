@@ -1,0 +1,59 @@
+"""`wanloom render` prints what the operator creates; `wanloom operator --help`; import boundaries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from wanloom_operator.api.validation import load_trainingjob_file
+from wanloom_operator.cli import app
+from wanloom_operator.render.jobset import render_trainingjob
+from wanloom_operator.settings import OperatorSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "jobs" / "t2v-a14b-tpu7x-2x4x4x4.yaml"
+
+
+def test_render_prints_the_operators_objects() -> None:
+    result = CliRunner().invoke(app, ["render", str(EXAMPLE), "--namespace", "ml", "--uid", "u-1"])
+    assert result.exit_code == 0, result.output
+    configmap, jobset = list(yaml.safe_load_all(result.output))
+    job = load_trainingjob_file(EXAMPLE)
+    job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": "ml"})})
+    expected = render_trainingjob(job, OperatorSettings.from_env(), owner_uid="u-1")
+    assert [configmap, jobset] == expected.objects
+
+
+def test_render_json(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["render", str(EXAMPLE), "-o", "json"])
+    assert result.exit_code == 0 and '"kind": "JobSet"' in result.output
+
+
+def test_render_of_an_invalid_file_names_the_field(tmp_path: Path) -> None:
+    bad = yaml.safe_load(EXAMPLE.read_text())
+    bad["spec"]["resources"]["tpu"]["topology"] = "3x3x3"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    result = CliRunner().invoke(app, ["render", str(path)])
+    assert result.exit_code == 1
+    assert "spec.resources.tpu.topology" in result.output
+
+
+def test_operator_help_lists_its_flags() -> None:
+    result = CliRunner().invoke(app, ["operator", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--namespace", "--all-namespaces", "--peering", "--metrics-port", "--liveness-port"):
+        assert flag in result.output
+
+
+def test_cli_and_render_import_no_kopf_and_no_client() -> None:
+    code = (
+        "import sys, wanloom_operator.cli, wanloom_operator.render.jobset;"
+        "bad = [m for m in ('kopf', 'kubernetes', 'jax', 'torch') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

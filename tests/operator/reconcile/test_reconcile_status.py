@@ -1,0 +1,67 @@
+"""derive_phase / derive_status: JobSet status -> TrainingJob phase, conditions and counts (pure, table-driven)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wanloom_operator.api.trainingjob import TrainingJobStatus
+from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status
+
+
+def jobset(suspend: bool = False, replicas: int = 2, conditions: Any = (), **rjs: int) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": [{"type": t, "status": s, "reason": r} for t, s, r in conditions]}
+    if rjs:
+        status["replicatedJobsStatus"] = [{"name": "slice", **rjs}]
+    return {"spec": {"suspend": suspend, "replicatedJobs": [{"name": "slice", "replicas": replicas}]}, "status": status}
+
+
+CASES = [
+    ("no status yet", jobset(), Intent(), "Pending"),
+    ("one Job active", jobset(active=1), Intent(), "Starting"),
+    ("one of two Jobs ready", jobset(active=2, ready=1), Intent(), "Starting"),
+    ("all Jobs ready", jobset(active=2, ready=2), Intent(), "Running"),
+    ("ready plus succeeded", jobset(ready=1, succeeded=1), Intent(), "Running"),
+    (
+        "restarting",
+        jobset(conditions=[("RestartingJobSet", "True", "FailurePolicy_x")], ready=2),
+        Intent(),
+        "Restarting",
+    ),
+    ("restart over", jobset(conditions=[("RestartingJobSet", "False", "JobsReady")], ready=2), Intent(), "Running"),
+    ("suspended on request", jobset(suspend=True, ready=2), Intent(suspend=True), "Suspended"),
+    ("queued in Kueue", jobset(suspend=True), Intent(queue_name="q"), "Pending"),
+    ("completed", jobset(conditions=[("Completed", "True", "AllJobsCompleted")]), Intent(), "Succeeded"),
+    ("failed", jobset(conditions=[("Failed", "True", "ReachedMaxRestarts")]), Intent(), "Failed"),
+    ("failed beats suspended", jobset(True, conditions=[("Failed", "True", "FailedJobs")]), Intent(True), "Failed"),
+]
+
+
+@pytest.mark.parametrize(("case", "js", "intent", "phase"), CASES, ids=[c[0] for c in CASES])
+def test_derive_phase(case: str, js: dict[str, Any], intent: Intent, phase: str) -> None:
+    assert derive_phase(js, intent).phase == phase
+
+
+def test_derive_status_fields_fit_the_api() -> None:
+    js = jobset(active=2, ready=2)
+    js["status"]["restarts"] = 3
+    patch = derive_status(js, Intent(), {}, now="2026-11-30T10:00:00Z")
+    assert patch["phase"] == "Running" and patch["restarts"] == 3 and patch["startTime"] == "2026-11-30T10:00:00Z"
+    assert patch["replicatedJobs"] == [
+        {"name": "slice", "ready": 2, "succeeded": 0, "failed": 0, "active": 2, "suspended": 0}
+    ]
+    running = next(c for c in patch["conditions"] if c["type"] == "Running")
+    assert (running["status"], running["reason"]) == ("True", "AllJobsReady")
+    TrainingJobStatus.model_validate(patch)  # every field and condition is one the CRD schema keeps
+
+
+def test_transition_times_move_only_on_change() -> None:
+    first = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T1")
+    again = derive_status(jobset(active=2, ready=2), Intent(), {**first}, now="T2")
+    assert not changed(again, first)  # nothing to write: no status churn on repeated events
+    done = derive_status(jobset(conditions=[("Completed", "True", "x")]), Intent(), {**first}, now="T3")
+    times = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    assert times["Running"] == "T3" and times["Succeeded"] == "T3" and times["Suspended"] == "T1"
+    assert first["startTime"] == "T1" and "startTime" not in done  # set once, at the first Running
+    assert done["completionTime"] == "T3" and done["message"]

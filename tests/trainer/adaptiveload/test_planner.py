@@ -1,0 +1,135 @@
+import numpy as np
+import pytest
+
+from wanloom_trainer.adaptiveload.buckets import BucketTable
+from wanloom_trainer.adaptiveload.metrics import compute_load_cv, plan_cost_grid
+from wanloom_trainer.adaptiveload.plan import StepPlan
+from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner, plan_step
+from wanloom_trainer.adaptiveload.simulate import MixSpec, simulate, synthetic_index
+from wanloom_trainer.config.variants import get_variant
+from wanloom_trainer.routing import Router, TimestepSampler
+
+from .conftest import A14B
+
+M_MEM = 151_200
+CASES = [
+    (policy, layout, sync)
+    for policy in ("balanced", "paper", "equal-tokens")
+    for layout, sync in (("per-rank", "micro-batch"), ("per-rank", "step"), ("spmd", "micro-batch"))
+]
+
+
+def make(index, cost, router, policy, layout, sync="micro-batch", ranks=8, **kw):
+    cfg = PlanConfig(ranks, policy, layout, global_batch=64, memory_budget_tokens=M_MEM, sync=sync, seed=11, **kw)
+    return Planner(index, A14B, cfg, cost, router)
+
+
+@pytest.mark.parametrize(("policy", "layout", "sync"), CASES, ids=["-".join(c) for c in CASES])
+def test_plans_respect_the_contract(index, flop_cost, router, policy, layout, sync):
+    planner = make(index, flop_cost, router, policy, layout, sync)
+    ids = set(index.ids.tolist())
+    for step in range(4):
+        plan = planner.plan(step)
+        plan.validate()  # same micro-batch count, experts aligned per slot, spmd shapes/rows aligned
+        assert plan.step == step and plan.layout == layout and plan.policy == policy
+        mbs = [mb for r in plan.ranks for mb in r.micro_batches]
+        real = [i for mb in mbs for i, w in zip(mb.sample_ids, mb.weights, strict=True) if w > 0]
+        assert len(real) == len(set(real)) == plan.num_samples  # every sample once
+        assert set(real) <= ids
+        for r in plan.ranks:
+            for mb in r.micro_batches:
+                assert mb.rows * mb.tokens <= M_MEM  # memory cap per micro-batch
+                assert all(w in (0.0, 1 / plan.num_samples) for w in mb.weights)
+        if policy == "balanced":
+            assert plan.num_samples == 64
+
+
+def test_plan_is_a_function_of_seed_and_step(index, flop_cost, router):
+    a = make(index, flop_cost, router, "balanced", "per-rank")
+    for step in range(6):
+        a.plan(step)
+    b = make(index, flop_cost, router, "balanced", "per-rank")
+    assert a.plan(9).to_dict() == b.plan(9).to_dict()  # resumed at step 9 without replaying 0..8
+    assert StepPlan.from_dict(a.plan(9).to_dict()) == b.plan(9)
+    one_shot = plan_step(index, step=9, variant=A14B, config=a.config, cost_model=flop_cost, router=router)
+    assert one_shot == b.plan(9)
+    other = Planner(index, A14B, PlanConfig(8, global_batch=64, memory_budget_tokens=M_MEM, seed=12), flop_cost, router)
+    assert other.plan(9) != b.plan(9)
+
+
+def test_plan_rank_and_cost_grid_agree_with_full_plan(index, flop_cost, router):
+    planner = make(index, flop_cost, router, "balanced", "per-rank")
+    plan = planner.plan(3)
+    for r in (0, 5):
+        rank_plan, n = planner.plan_rank(3, r)
+        assert rank_plan == plan.ranks[r] and n == plan.num_samples
+    np.testing.assert_allclose(planner.cost_grid(3), plan_cost_grid(plan))
+    with pytest.raises(ValueError, match="rank 8 is outside"):
+        planner.plan_rank(3, 8)
+
+
+def test_micro_batches_are_expert_and_shape_homogeneous(index, flop_cost, router):
+    planner = make(index, flop_cost, router, "balanced", "per-rank")
+    shape_of = dict(zip(index.ids.tolist(), map(tuple, index.latent_shapes.tolist()), strict=True))
+    for mb in (mb for r in planner.plan(0).ranks for mb in r.micro_batches if not mb.is_dummy):
+        assert {shape_of[i] for i in mb.sample_ids} == {mb.latent_shape}
+        boundary = 875.0
+        assert all((t >= boundary) == (mb.expert == 0) for t in mb.timesteps)
+
+
+def test_configured_buckets_are_used(index, flop_cost, router):
+    table = BucketTable.from_pixels(A14B, [(81, 480, 832), (33, 480, 832), (1, 480, 832)])
+    planner = Planner(index, A14B, PlanConfig(4, global_batch=32, memory_budget_tokens=M_MEM), flop_cost, router, table)
+    shapes = {mb.latent_shape for r in planner.plan(0).ranks for mb in r.micro_batches}
+    assert shapes <= {tuple(s) for s in table.latent_shapes.tolist()}
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="globalBatch"):
+        PlanConfig(4, "balanced")
+    with pytest.raises(ValueError, match=r"adaptiveLoad\.scheduler 'fast'"):
+        PlanConfig(4, "fast", global_batch=4)
+    with pytest.raises(ValueError, match="layout"):
+        PlanConfig(4, layout="mesh", global_batch=4)
+    with pytest.raises(ValueError, match="sync"):
+        PlanConfig(4, sync="never", global_batch=4)
+
+
+def test_memory_budget_too_small_is_reported(index, flop_cost, router):
+    with pytest.raises(ValueError, match="memoryBudgetTokens=40000"):
+        Planner(index, A14B, PlanConfig(4, global_batch=8, memory_budget_tokens=40_000), flop_cost, router)
+
+
+# A distribution no other test or the benchmark uses: the TI2V-5B model (16x VAE, 24 fps, 121-frame window),
+# image-heavy, longer clips, more 720p.
+HELD_OUT = MixSpec(
+    image_share=0.45,
+    clip_720p_share=0.6,
+    duration_mean_s=6.0,
+    duration_log_sigma=0.8,
+    fps=24,
+    frame_buckets=(25, 49, 73, 97, 121),
+    clip_aspects=(0.7, 0.2, 0.1),
+)
+
+
+@pytest.mark.parametrize("sync", ["micro-batch", "step"])
+def test_balanced_beats_paper_beats_equal_tokens_on_held_out_mix(sync):
+    from wanloom_trainer.adaptiveload.cost_model import FlopCost
+
+    ti2v = get_variant("wan2.2-ti2v-5b")
+    index = synthetic_index(ti2v, 5_000, seed=4, mix=HELD_OUT)
+    cost = FlopCost(ti2v.name, 4e14, a=0.02)
+    router = Router(TimestepSampler(), None)
+    s_max = int(max(ti2v.tokens(*s) for s in index.latent_shapes))
+    cv = {}
+    for policy in ("balanced", "paper", "equal-tokens"):
+        cfg = PlanConfig(16, policy, "per-rank", global_batch=256, memory_budget_tokens=2 * s_max, sync=sync)
+        cv[policy] = simulate(Planner(index, ti2v, cfg, cost, router), 12).mean_cv
+    assert cv["balanced"] < cv["paper"] < cv["equal-tokens"]
+    assert cv["balanced"] < 0.05
+
+
+def test_balanced_cv_per_step(index, flop_cost, router):
+    planner = make(index, flop_cost, router, "balanced", "per-rank", sync="step")
+    assert max(compute_load_cv(planner.cost_grid(s)) for s in range(5)) < 0.05

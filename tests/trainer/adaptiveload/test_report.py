@@ -1,0 +1,129 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from wanloom_trainer.adaptiveload.report import run_plan
+from wanloom_trainer.adaptiveload.shape_bench import BenchPoint, load_points, save_points
+from wanloom_trainer.config.variants import get_variant
+
+TINY = get_variant("tiny")
+
+
+def write_job(tmp_path: Path, data: Path, resources: str, extra: str = "") -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        textwrap.dedent(
+            f"""\
+            apiVersion: wanloom.dev/v1alpha1
+            kind: TrainingJob
+            metadata: {{name: plan-test}}
+            spec:
+              model: {{variant: tiny}}
+              data: {{uri: {data}}}
+              adaptiveLoad: {{scheduler: balanced, memoryBudgetTokens: 4096{extra}}}
+              training: {{steps: 10, globalBatch: 16}}
+              resources: {resources}
+            """
+        )
+    )
+    return job
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from wanloom_trainer.data.synth import write_synthetic
+
+    root = tmp_path_factory.mktemp("data")
+    write_synthetic(str(root), TINY, 120, seed=0)
+    return root
+
+
+def test_plan_prints_buckets_and_policies(tmp_path, dataset):
+    out = run_plan(write_job(tmp_path, dataset, "{cpu: {nodes: 1, devicesPerNode: 4}}"))
+    assert "120 samples, 4 data-parallel ranks, layout spmd" in out
+    assert "analytic FLOPs" in out
+    for word in ("latent (T,H,W)", "B equal", "B paper", "equal-tokens", "paper", "balanced *", "load CV"):
+        assert word in out
+
+
+def fake_points():
+    pts = []
+    for b, shape in [
+        (1, (1, 8, 8)),
+        (4, (1, 8, 8)),
+        (1, (3, 8, 8)),
+        (4, (3, 8, 8)),
+        (1, (5, 16, 16)),
+        (2, (5, 16, 16)),
+    ]:
+        s = TINY.tokens(*shape)
+        t = 0.01 + b * (1e-4 * s + 1e-7 * s * s)
+        pts.append(BenchPoint(b, shape, s, t, (t,)))
+    return pts
+
+
+def test_plan_reuses_a_stored_benchmark(tmp_path, dataset):
+    bench = tmp_path / "bench.json"
+    save_points(bench, "tiny|cpu|d1f1c1t1", fake_points())
+    out = run_plan(write_job(tmp_path, dataset, "{backend: torch, cpu: {nodes: 1}}"), bench)
+    assert "shape benchmark" in out and "tiny|cpu|d1f1c1t1" in out and "held-out" in out
+    assert "layout per-rank" in out
+
+
+def test_bench_for_an_absent_accelerator_is_a_clear_error(tmp_path, dataset):
+    job = write_job(tmp_path, dataset, "{gpu: {type: h200, perNode: 8, nodes: 1}}")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present: the benchmark would run")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match="must run on the job's h200 devices"):
+        run_plan(job, tmp_path / "bench.json")
+
+
+def test_missing_dataset_names_the_index(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no shape index"):
+        run_plan(write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1}}"))
+
+
+def test_diffusers_step_runs_and_is_timed(tmp_path):
+    from wanloom_trainer.adaptiveload.shape_bench import run_shape_bench, save_points
+    from wanloom_trainer.adaptiveload.torch_step import diffusers_step_fn
+
+    step = diffusers_step_fn(TINY, threads=1)
+    points = run_shape_bench(step, [(1, (1, 8, 8)), (2, (3, 8, 8))], TINY, warmup=1, repeats=1)
+    assert all(p.seconds > 0 for p in points)
+    save_points(tmp_path / "b.json", "tiny|cpu|d1f1c1t1", points)
+    assert load_points(tmp_path / "b.json", "tiny|cpu|d1f1c1t1") == points
+
+
+def fake_config(tmp_path, cost_model="auto", exponent=None, bench_file=None, accelerator="cpu"):
+    from types import SimpleNamespace
+
+    al = SimpleNamespace(cost_model=cost_model, exponent=exponent, bench_file=bench_file, memory_budget_tokens=4096)
+    return SimpleNamespace(
+        adaptive_load=al,
+        model=SimpleNamespace(wan=TINY, variant="tiny"),
+        accelerator=accelerator,
+        accelerator_type=None if accelerator == "cpu" else "h200",
+        parallel=SimpleNamespace(data=1, fsdp=1, context=1, tensor=1),
+    )
+
+
+def test_cost_source_paths(tmp_path):
+    from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
+
+    assert resolve_cost_model(fake_config(tmp_path)).model.kind == "flops"
+    h200 = resolve_cost_model(fake_config(tmp_path, accelerator="gpu"))
+    assert h200.model.flops_per_second == pytest.approx(0.4 * 989e12) and "h200" in h200.description
+    power = resolve_cost_model(fake_config(tmp_path, cost_model="power", exponent=1.6)).model
+    assert (power.kind, power.p) == ("power", 1.6)
+    bench = tmp_path / "b.json"
+    with pytest.raises(ValueError, match="has no shape benchmark for tiny\\|cpu\\|d1f1c1t1"):
+        resolve_cost_model(fake_config(tmp_path, bench_file=str(bench)))
+    save_points(bench, "tiny|cpu|d1f1c1t1", fake_points())
+    fitted = resolve_cost_model(fake_config(tmp_path, cost_model="two-term", bench_file=str(bench)))
+    assert fitted.model.kind == "two-term" and fitted.fit.quality["two-term"].r2 > 0.999

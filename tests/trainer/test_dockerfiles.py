@@ -1,0 +1,177 @@
+"""The three images pin what they install, run as a non-root user and start the right entry point.
+
+There is no Docker engine here, so the Dockerfiles are parsed: base image tags, the constraints heredoc that
+PIP_CONSTRAINT points at, the packages each `pip install` names, USER and ENTRYPOINT.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = {
+    "tpu": ("jax", ["python", "-m", "wanloom_trainer"]),
+    "gpu": ("torch", ["python", "-m", "wanloom_trainer"]),
+    "operator": ("operator", ["wanloom", "operator"]),
+}
+# Pins that differ from the CPU test environment on purpose: the TPU runtime does not exist here, and the CUDA
+# torch wheel asks for its own triton release.
+NOT_IN_TEST_ENV = {"libtpu", "triton"}
+
+
+@dataclass(frozen=True)
+class Dockerfile:
+    instructions: list[tuple[str, str]]  # (KEYWORD, arguments), continuation lines joined
+    heredocs: dict[str, list[str]]  # target path -> lines
+
+    def args(self, keyword: str) -> list[str]:
+        return [a for k, a in self.instructions if k == keyword]
+
+
+def parse(path: Path) -> Dockerfile:
+    lines = path.read_text().splitlines()
+    instructions: list[tuple[str, str]] = []
+    heredocs: dict[str, list[str]] = {}
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if not line or line.startswith("#"):
+            continue
+        while line.endswith("\\"):
+            line = line[:-1] + " " + lines[i].strip()
+            i += 1
+        keyword, _, rest = line.partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        heredoc = re.match(r"<<(\w+)\s+(\S+)$", rest.strip())
+        if keyword.upper() == "COPY" and heredoc:
+            end = lines.index(heredoc.group(1), i)
+            heredocs[heredoc.group(2)] = [x.strip() for x in lines[i:end] if x.strip()]
+            i = end + 1
+    return Dockerfile(instructions, heredocs)
+
+
+def _dockerfile(image: str) -> Dockerfile:
+    return parse(ROOT / "trainer_images" / f"Dockerfile.{image}")
+
+
+def _env(df: Dockerfile) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for args in df.args("ENV"):
+        env |= dict(re.findall(r"(\w+)=(\S+)", args))
+    return env
+
+
+def _constraints(df: Dockerfile) -> dict[str, str]:
+    path = _env(df)["PIP_CONSTRAINT"]
+    assert path in df.heredocs, f"PIP_CONSTRAINT={path} is not written by a COPY heredoc"
+    pins = {}
+    for line in df.heredocs[path]:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([0-9][0-9A-Za-z.+]*)", line)
+        assert match, f"constraint {line!r} is not an exact name==version pin"
+        pins[canonicalize_name(match.group(1))] = match.group(2)
+    return pins
+
+
+def _extra_requirements(extra: str) -> set[str]:
+    """Names of everything `pip install .[extra]` asks for directly (nested wanloom[...] extras expanded)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pending = [*project["dependencies"], *project["optional-dependencies"][extra]]
+    seen, names = {extra}, set()
+    while pending:
+        req = Requirement(pending.pop())
+        if canonicalize_name(req.name) != "wanloom":
+            names.add(canonicalize_name(req.name))
+            continue
+        for nested in req.extras - seen:
+            seen.add(nested)
+            pending += project["optional-dependencies"][nested]
+    return names
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_base_images_are_pinned_to_a_release(image: str) -> None:
+    for base in _dockerfile(image).args("FROM"):
+        ref = base.split()[0]
+        assert ":" in ref and not ref.endswith(":latest"), f"{image}: unpinned base image {ref}"
+        assert re.search(r":\d+\.\d+\.\d+", ref) or "@sha256:" in ref, f"{image}: {ref} is not a full release tag"
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_every_installed_package_is_pinned(image: str) -> None:
+    extra, _ = IMAGES[image]
+    df = _dockerfile(image)
+    pins = _constraints(df)
+    missing = _extra_requirements(extra) - set(pins)
+    assert not missing, f"{image}: wanloom[{extra}] needs {sorted(missing)} without a pin"
+    installs = [a for a in df.args("RUN") if "pip install" in a]
+    assert installs, f"{image}: no pip install"
+    for run in installs:
+        command = run.split("&&")[0]
+        for arg in re.findall(r'"([^"]+)"|(\S+)', command.split("pip install", 1)[1]):
+            spec = arg[0] or arg[1]
+            if spec.startswith("-"):
+                continue
+            if spec.startswith("."):
+                assert spec == f".[{extra}]", f"{image}: installs {spec}, expected .[{extra}]"
+                continue
+            assert canonicalize_name(Requirement(spec).name) in pins, f"{image}: {spec} has no pin"
+        assert "pip check" in run, f"{image}: run `pip check` after installing"
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_pins_match_the_tested_environment(image: str) -> None:
+    for name, version in _constraints(_dockerfile(image)).items():
+        if name in NOT_IN_TEST_ENV:
+            continue
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pytest.fail(f"{image}: {name} is pinned but not installed in the test environment")
+        assert installed.split("+")[0] == version, f"{image}: {name}=={version}, tests run {installed}"
+
+
+def test_gpu_image_uses_the_house_torch() -> None:
+    assert _constraints(_dockerfile("gpu"))["torch"] == "2.13.0"
+    assert "triton" in _constraints(_dockerfile("gpu"))
+    assert "libtpu" in _constraints(_dockerfile("tpu"))
+    assert not {"torch", "jax"} & set(_constraints(_dockerfile("operator")))
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_runs_as_a_non_root_user(image: str) -> None:
+    df = _dockerfile(image)
+    users = df.args("USER")
+    assert users, f"{image}: no USER"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) > 0, f"{image}: USER {users[-1]} must be a numeric non-root uid"
+    assert not gid or (gid.isdigit() and int(gid) > 0)
+    keywords = [k for k, _ in df.instructions]
+    last_user = len(keywords) - 1 - keywords[::-1].index("USER")
+    assert "RUN" not in keywords[last_user:], f"{image}: RUN after the final USER runs as non-root by accident"
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_entrypoint(image: str) -> None:
+    _, entrypoint = IMAGES[image]
+    assert [json.loads(a) for a in _dockerfile(image).args("ENTRYPOINT")] == [entrypoint]
+
+
+def test_parser_sees_a_broken_pin(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile.bad"
+    bad.write_text(
+        'FROM python:3.11\nENV PIP_CONSTRAINT=/c.txt\nCOPY <<C /c.txt\ntorch>=2\nC\nUSER root\nENTRYPOINT ["python"]\n'
+    )
+    df = parse(bad)
+    with pytest.raises(AssertionError, match="not an exact name==version pin"):
+        _constraints(df)
+    assert df.args("USER") == ["root"]

@@ -1,0 +1,170 @@
+"""Shared pieces of the PyTorch-trainer tests (fixtures: the tree is imported with --import-mode=importlib).
+
+Triton decides at import whether kernels are compiled or interpreted: ``TRITON_INTERPRET=1`` is set here, before any
+test module of this folder imports it, unless a GPU is present (then the fused tests run compiled).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from wanloom_trainer.config.variants import WanVariant, get_variant
+
+TINY = get_variant("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> WanVariant:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_ti2v() -> WanVariant:
+    """Per-token timesteps, one model (the TI2V-5B layout at toy size)."""
+    return dataclasses.replace(TINY, name="tiny-ti2v", per_token_timesteps=True, two_experts=False)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]
+
+
+def job_document(repo_root: Path, tmp_path: Path, **spec: object) -> dict:
+    """jobs/tiny-local.yaml with backend torch, paths under ``tmp_path`` and ``spec`` merged in (nested dicts)."""
+    import yaml
+
+    doc = yaml.safe_load((repo_root / "jobs" / "tiny-local.yaml").read_text())
+    doc["spec"]["resources"]["backend"] = "torch"
+    doc["spec"]["data"]["uri"] = str(tmp_path / "data")
+    doc["spec"]["training"]["checkpoint"]["uri"] = str(tmp_path / "checkpoints")
+    _merge(doc["spec"], spec)
+    return doc
+
+
+def _merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+@pytest.fixture
+def make_config(repo_root: Path, tmp_path: Path):
+    """``make(env=None, **spec) -> TrainConfig`` of the tiny torch job (``WANLOOM_RUN_DIR`` under tmp_path)."""
+    from wanloom_operator.api.validation import parse_trainingjob
+    from wanloom_trainer.config.train_config import from_trainingjob
+
+    def make(env: dict | None = None, **spec: object):
+        env = {"WANLOOM_RUN_DIR": str(tmp_path / "run"), **(env or {})}
+        return from_trainingjob(parse_trainingjob(job_document(repo_root, tmp_path, **spec)), env)
+
+    return make
+
+
+@pytest.fixture
+def write_job(repo_root: Path, tmp_path: Path):
+    """``write(**spec) -> Path`` of the tiny torch job as a YAML file (for subprocess workers)."""
+    import yaml
+
+    def write(name: str = "job.yaml", **spec: object) -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(job_document(repo_root, tmp_path, **spec)))
+        return path
+
+    return write
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def run_workers(repo_root: Path, tmp_path: Path):
+    """``run(job, out, processes, *args, expect_kill=False) -> list[int]``: start ``_backend_worker.py`` once per
+    rank (gloo over 127.0.0.1, the wanloom process environment), wait, and return the exit codes."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("_backend_worker.py")
+
+    def run(job: Path, out: Path, processes: int, *args: str, timeout: float = 240) -> list[int]:
+        out.mkdir(parents=True, exist_ok=True)
+        base = {
+            **os.environ,
+            "PYTHONPATH": f"{repo_root / 'operator'}:{repo_root / 'trainer_images'}",
+            "WANLOOM_CONFIG": str(job),
+            "WANLOOM_RUN_DIR": str(tmp_path / "run"),
+            "WANLOOM_HOSTS_PER_SLICE": str(processes),
+            "WANLOOM_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(worker), str(out), *args],
+                env={**base, "WANLOOM_HOST_INDEX": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(processes)
+        ]
+        try:
+            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for code, text in zip((p.returncode for p in procs), outputs, strict=True):
+            if code not in (0, -9):
+                raise AssertionError(f"worker exited with {code}:\n{text[-4000:]}")
+        return [p.returncode for p in procs]
+
+    return run
+
+
+def read_losses(out: Path, rank: int = 0) -> list[dict]:
+    import json
+
+    path = out / f"losses-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def losses_of():
+    return read_losses
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """An in-memory gcp-storage-emulator (bucket ``wanloom-ckpt``) for the session; yields http://127.0.0.1:PORT."""
+    from gcp_storage_emulator.server import create_server
+
+    port = _free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="wanloom-ckpt")
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def gcs(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh gs:// prefix on the emulator, with the client pointed at it for this test."""
+    import uuid
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "wanloom-test")
+    return f"gs://wanloom-ckpt/{uuid.uuid4().hex[:12]}/checkpoints"

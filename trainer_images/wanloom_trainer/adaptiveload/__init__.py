@@ -1,0 +1,21 @@
+"""AdaptiveLoad: cost-aware batch sizing and per-step balancing of mixed image/video training across ranks.
+
+Pure numpy/scipy (``torch_step`` imports torch lazily and only when a shape benchmark runs on this machine).
+One concept per module:
+
+- ``shape_index``: ``SampleShapes(ids, latent_shapes)``, the planner's view of a dataset.
+- ``tokens``, ``buckets``: sequence length per sample; shape buckets (configured or derived).
+- ``batch_size``: the paper's dual-constraint rule and the equal-token baseline.
+- ``cost_model``, ``shape_bench``, ``torch_step``, ``cost_source``: step-time models, their fit to timed real
+  steps and storage, and which one a run uses.
+- ``balance`` (per-rank totals: LPT + repair), ``lockstep`` (per-slot balance for FSDP), ``scheduler`` (which
+  samples make up a step), ``layout`` (micro-batches, padding, dummies), ``planner`` (``Planner``, ``plan_step``).
+- ``plan``: the ``StepPlan``/``RankPlan``/``MicroBatch`` contract with the trainers and the loss normalisation.
+- ``metrics``, ``simulate``, ``report``: per-step metrics, the policy simulator, ``wanloom plan``.
+"""
+
+from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
+from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner, plan_step
+from wanloom_trainer.adaptiveload.shape_index import SampleShapes
+
+__all__ = ["MicroBatch", "PlanConfig", "Planner", "RankPlan", "SampleShapes", "StepPlan", "plan_step"]

@@ -1,0 +1,200 @@
+"""From a step's samples assigned to (rank, slot) to micro-batches, in one of the two layouts of ``plan.py``.
+
+Planning works on flat arrays (``Assignment``: one row per sample plus padding rows, each with a rank and a slot);
+``materialise`` turns those into ``RankPlan`` objects — for every rank (the full ``StepPlan``) or only for the
+calling rank, which is all a trainer process needs. A micro-batch never holds more than ``cap[b] = ⌊M_mem / S_b⌋``
+rows. Slots are numbered globally; every slot holds one expert on all ranks (expert 0's slots first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan
+
+
+@dataclass(frozen=True)
+class StepItems:
+    """The step's samples: ids int64 [n], bucket int64 [n], expert int64 [n], timesteps float32 [n]."""
+
+    ids: np.ndarray
+    bucket: np.ndarray
+    expert: np.ndarray
+    timesteps: np.ndarray
+
+    def take(self, rows: np.ndarray) -> StepItems:
+        return StepItems(self.ids[rows], self.bucket[rows], self.expert[rows], self.timesteps[rows])
+
+
+@dataclass(frozen=True)
+class BucketFacts:
+    """Per bucket [k]: latent shapes [k, 3], tokens, rows cap per micro-batch, per-sample cost; call overhead."""
+
+    shapes: np.ndarray
+    tokens: np.ndarray
+    cap: np.ndarray
+    cost: np.ndarray
+    overhead: float
+
+    @property
+    def dummy_bucket(self) -> int:
+        """The cheapest bucket: what a dummy micro-batch runs."""
+        return int(np.argmin(self.cost))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A planned step as arrays over rows (real samples first, then zero-weight padding rows).
+
+    Attributes:
+        rows: the rows' ids, buckets, experts and timesteps [m].
+        real: bool [m], False for padding rows.
+        owner, slot: int [m], the rank and micro-batch slot of each row.
+        num_ranks, num_slots: the grid size; (rank, slot) cells without rows are dummies.
+        slot_expert: int [num_slots], the expert of each slot.
+    """
+
+    rows: StepItems
+    real: np.ndarray
+    owner: np.ndarray
+    slot: np.ndarray
+    num_ranks: int
+    num_slots: int
+    slot_expert: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.real.sum())
+
+
+def slots_by_group(items: StepItems, owner: np.ndarray, num_ranks: int, facts: BucketFacts) -> np.ndarray:
+    """Slot [n] when ranks synchronise once per step: on each rank one micro-batch per (expert, bucket), split
+    evenly where it exceeds the cap, heavier buckets first; expert 1's slots start after expert 0's."""
+    k = len(facts.tokens)
+    keys = (owner * 2 + items.expert) * k + (k - 1 - items.bucket)
+    order = np.argsort(keys, kind="stable")
+    bounds = np.flatnonzero(np.diff(keys[order])) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]])
+    local = np.empty(len(keys), dtype=np.int64)
+    used = np.zeros((num_ranks, 2), dtype=np.int64)
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = order[s]
+        r, x, cap = int(owner[first]), int(items.expert[first]), int(facts.cap[items.bucket[first]])
+        chunks = -(-(e - s) // cap)
+        sizes = np.full(chunks, (e - s) // chunks) + (np.arange(chunks) < (e - s) % chunks)
+        local[order[s:e]] = used[r, x] + np.repeat(np.arange(chunks), sizes)
+        used[r, x] += chunks
+    expert0_slots = int(used[:, 0].max())
+    return np.where(items.expert == 0, local, local + expert0_slots)
+
+
+def per_rank_assignment(items: StepItems, owner: np.ndarray, slot: np.ndarray, num_ranks: int) -> Assignment:
+    """Wrap a (rank, slot) per sample; no padding rows (empty cells become dummies)."""
+    num_slots = int(slot.max()) + 1 if len(slot) else 0
+    slot_expert = np.zeros(num_slots, dtype=np.int64)
+    slot_expert[slot] = items.expert
+    real = np.ones(len(owner), dtype=bool)
+    return Assignment(items, real, owner, slot, num_ranks, num_slots, slot_expert)
+
+
+def spmd_assignment(items: StepItems, num_ranks: int, facts: BucketFacts) -> Assignment:
+    """Slots shared by all ranks: per (expert, bucket) group of m samples, s = ⌈m / (R·cap)⌉ slots of
+    w = ⌈m / (R·s)⌉ rows per rank. Samples are dealt round-robin over ranks so padding spreads evenly; padding rows
+    repeat the group's first sample."""
+    k = len(facts.tokens)
+    keys = items.expert * k + (k - 1 - items.bucket)
+    order = np.argsort(keys, kind="stable")
+    bounds = np.flatnonzero(np.diff(keys[order])) + 1
+    owner, slot = np.empty(len(order), dtype=np.int64), np.empty(len(order), dtype=np.int64)
+    pad_src, pad_owner, pad_slot, slot_expert, first = [], [], [], [], 0
+    for group in np.split(order, bounds):
+        m, cap = len(group), int(facts.cap[items.bucket[group[0]]])
+        slots = -(-m // (num_ranks * cap))
+        width = -(-m // (num_ranks * slots))
+        i = np.arange(m)
+        owner[group], slot[group] = i % num_ranks, first + (i // num_ranks) // width
+        filled = np.bincount((slot[group] - first) * num_ranks + owner[group], minlength=slots * num_ranks)
+        missing = width - filled
+        cells = np.repeat(np.arange(slots * num_ranks), missing)
+        pad_src.append(np.full(len(cells), group[0]))
+        pad_owner.append(cells % num_ranks)
+        pad_slot.append(first + cells // num_ranks)
+        slot_expert.extend([int(items.expert[group[0]])] * slots)
+        first += slots
+    pad = np.concatenate(pad_src).astype(np.int64)
+    rows = items.take(np.concatenate([np.arange(len(order)), pad]))
+    real = np.concatenate([np.ones(len(order), dtype=bool), np.zeros(len(pad), dtype=bool)])
+    return Assignment(
+        rows,
+        real,
+        np.concatenate([owner, *pad_owner]),
+        np.concatenate([slot, *pad_slot]),
+        num_ranks,
+        first,
+        np.asarray(slot_expert, dtype=np.int64),
+    )
+
+
+def cost_grid(assignment: Assignment, facts: BucketFacts) -> np.ndarray:
+    """Predicted compute float [R, K] of every (rank, slot) cell, dummies included (no per-call overhead)."""
+    grid = np.zeros((assignment.num_ranks, assignment.num_slots))
+    np.add.at(grid, (assignment.owner, assignment.slot), facts.cost[assignment.rows.bucket])
+    empty = np.ones_like(grid, dtype=bool)
+    empty[assignment.owner, assignment.slot] = False
+    grid[empty] = facts.cost[facts.dummy_bucket]
+    return grid
+
+
+def materialise(assignment: Assignment, facts: BucketFacts, ranks: Iterable[int] | None = None) -> list[RankPlan]:
+    """RankPlans of ``ranks`` (all by default), micro-batches in slot order, real rows before padding rows."""
+    wanted = list(range(assignment.num_ranks)) if ranks is None else [int(r) for r in ranks]
+    select = np.isin(assignment.owner, wanted) if ranks is not None else np.ones(len(assignment.owner), bool)
+    idx = np.flatnonzero(select)
+    idx = idx[np.lexsort((~assignment.real[idx], assignment.slot[idx], assignment.owner[idx]))]
+    rows = _RowLists(assignment, idx, facts)
+    keys = assignment.owner[idx] * max(assignment.num_slots, 1) + assignment.slot[idx]
+    bounds = np.flatnonzero(np.diff(keys)) + 1
+    starts, ends = np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [len(idx)]]).tolist()
+    dummies = [_dummy(e, facts) for e in (0, 1)]
+    position = {r: i for i, r in enumerate(wanted)}
+    grid = [[dummies[e] for e in assignment.slot_expert.tolist()] for _ in wanted]
+    for s, e in zip(starts, ends, strict=True):
+        r, k = divmod(int(keys[s]), max(assignment.num_slots, 1))
+        grid[position[r]][k] = rows.micro_batch(s, e)
+    return [RankPlan(tuple(mbs), sum(mb.predicted_cost for mb in mbs) + facts.overhead * len(mbs)) for mbs in grid]
+
+
+class _RowLists:
+    """Python lists of the rows in plan order, so that micro-batches are cheap list slices."""
+
+    def __init__(self, assignment: Assignment, order: np.ndarray, facts: BucketFacts) -> None:
+        rows = assignment.rows
+        weight = 1.0 / max(assignment.num_samples, 1)
+        self.ids = rows.ids[order].tolist()
+        self.timesteps = rows.timesteps[order].astype(np.float32).tolist()
+        self.weights = np.where(assignment.real[order], weight, 0.0).tolist()
+        self.bucket = rows.bucket[order].tolist()
+        self.expert = rows.expert[order].tolist()
+        self.shapes = [tuple(s) for s in facts.shapes.tolist()]
+        self.tokens, self.cost = facts.tokens.tolist(), facts.cost.tolist()
+
+    def micro_batch(self, start: int, end: int) -> MicroBatch:
+        b = self.bucket[start]
+        return MicroBatch(
+            sample_ids=tuple(self.ids[start:end]),
+            latent_shape=self.shapes[b],
+            expert=self.expert[start],
+            timesteps=tuple(self.timesteps[start:end]),
+            weights=tuple(self.weights[start:end]),
+            tokens=self.tokens[b],
+            predicted_cost=(end - start) * self.cost[b],
+        )
+
+
+def _dummy(expert: int, facts: BucketFacts) -> MicroBatch:
+    b = facts.dummy_bucket
+    shape = tuple(facts.shapes[b].tolist())
+    return MicroBatch((), shape, expert, (), (), tokens=int(facts.tokens[b]), predicted_cost=float(facts.cost[b]))

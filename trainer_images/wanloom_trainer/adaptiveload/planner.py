@@ -1,0 +1,220 @@
+"""``plan_step``: a step's samples → ranks → micro-batches, deterministic in (seed, step).
+
+Policies (``PlanConfig.policy``):
+
+- ``balanced`` (beyond the paper): a fixed global batch of ``global_batch`` samples per step from the seeded
+  epoch stream (``scheduler.SampleStream``); samples are assigned to ranks to minimise the predicted maximum
+  per-rank compute (``balance.balance``: LPT by groups + repair), then cut into memory-capped micro-batches.
+  With the SPMD layout every slot runs on all ranks at once, so balance is by construction and the planner instead
+  deals each (expert, bucket) group evenly over ranks to minimise padding.
+- ``paper``: per-bucket batch sizes ``B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋))``; each rank draws one bucket chunk
+  per step (``scheduler.BucketChunks``), so the global sample count varies per step.
+- ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
+
+Routing draws the step's timesteps and experts once for all its samples (``Router.draw(seed, step, n)``); each
+micro-batch is then expert-homogeneous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from wanloom_trainer.adaptiveload.balance import balance
+from wanloom_trainer.adaptiveload.batch_size import (
+    default_compute_budget,
+    equal_token_batch_sizes,
+    paper_batch_sizes,
+)
+from wanloom_trainer.adaptiveload.buckets import BucketTable, derive_buckets
+from wanloom_trainer.adaptiveload.cost_model import CostModel, effective_exponent
+from wanloom_trainer.adaptiveload.layout import (
+    Assignment,
+    BucketFacts,
+    StepItems,
+    cost_grid,
+    materialise,
+    per_rank_assignment,
+    slots_by_group,
+    spmd_assignment,
+)
+from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
+from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, RankPlan, StepPlan
+from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
+from wanloom_trainer.adaptiveload.shape_index import SampleShapes
+from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
+from wanloom_trainer.config.variants import WanVariant
+
+SYNCS = ("micro-batch", "step")
+
+
+class Router(Protocol):
+    """``wanloom_trainer.routing.Router``: ``draw(seed, step, n)`` → object with ``timesteps`` and ``experts``."""
+
+    def draw(self, seed: int, step: int, n: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Planner settings (from ``spec.adaptiveLoad`` and ``spec.training``).
+
+    Attributes:
+        num_ranks: data-parallel ranks R.
+        policy: "balanced", "paper" or "equal-tokens".
+        layout: "per-rank" (PyTorch FSDP) or "spmd" (JAX).
+        global_batch: samples per step; required by "balanced".
+        memory_budget_tokens: M_mem, tokens per micro-batch.
+        compute_budget: M_comp of the paper rule; default the median memory-full batch compute
+            (``batch_size.default_compute_budget``).
+        exponent: p of the paper rule; default fitted to the cost model over the dataset's buckets.
+        seed: data-order and routing seed.
+        sync: when per-rank ranks synchronise: "micro-batch" (FSDP: collectives in every micro-batch, so the
+            step takes Σ_slots max_rank; "balanced" balances every slot, see ``lockstep``) or "step" (DDP-style
+            accumulation without sync until the last micro-batch: the step takes max_rank Σ_slots; "balanced"
+            balances per-rank totals, see ``balance``).
+        repair_iters: local-search iterations after LPT (sync "step").
+    """
+
+    num_ranks: int
+    policy: str = "balanced"
+    layout: str = "per-rank"
+    global_batch: int | None = None
+    memory_budget_tokens: int = 32_768
+    compute_budget: float | None = None
+    exponent: float | None = None
+    seed: int = 0
+    sync: str = "micro-batch"
+    repair_iters: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"adaptiveLoad.scheduler {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync {self.sync!r} is not one of {', '.join(SYNCS)}")
+        if self.policy == "balanced" and (self.global_batch is None or self.global_batch < 1):
+            raise ValueError(f"scheduler 'balanced' needs training.globalBatch >= 1, got {self.global_batch}")
+
+
+class Planner:
+    """Plans steps for one dataset; holds only derived, immutable tables and epoch caches."""
+
+    def __init__(
+        self,
+        index: SampleShapes,
+        variant: WanVariant,
+        config: PlanConfig,
+        cost_model: CostModel,
+        router: Router,
+        buckets: BucketTable | None = None,
+    ) -> None:
+        self.index, self.variant, self.config, self.cost_model, self.router = index, variant, config, cost_model, router
+        self.buckets = buckets if buckets is not None else derive_buckets(index.latent_shapes)
+        self.bucket_of = self.buckets.assign(index.latent_shapes)
+        tokens = tokens_for_latents(variant, self.buckets.latent_shapes)
+        m_mem = config.memory_budget_tokens
+        present = np.unique(self.bucket_of)
+        # Only buckets that hold samples can break the memory budget or set the paper rule's defaults.
+        equal_token_batch_sizes(tokens[present], m_mem)
+        self.exponent = config.exponent or effective_exponent(cost_model, tokens[present])
+        counts = np.bincount(self.bucket_of, minlength=len(tokens))[present]
+        self.compute_budget = config.compute_budget or default_compute_budget(
+            tokens[present], self.exponent, m_mem, counts
+        )
+        self.facts = BucketFacts(
+            shapes=self.buckets.latent_shapes,
+            tokens=tokens,
+            cap=np.maximum(1, m_mem // tokens),
+            cost=np.asarray(cost_model.sample_cost(tokens), dtype=np.float64),
+            overhead=float(cost_model.overhead),
+        )
+        self.batch_sizes = self._batch_sizes(config.policy)
+        self._stream = SampleStream(len(index), config.seed)
+        self._chunks: BucketChunks | None = None
+        if config.policy != "balanced":
+            group = config.num_ranks if config.layout == "spmd" else 1
+            self._chunks = BucketChunks(self.bucket_of, self.batch_sizes * group, config.seed)
+
+    def _batch_sizes(self, policy: str) -> np.ndarray:
+        """Rows per rank per step for each bucket: the paper's B_shape, or the memory cap for "balanced"."""
+        m_mem = self.config.memory_budget_tokens
+        tokens = np.minimum(self.facts.tokens, m_mem)  # empty buckets may exceed it; they are never drawn
+        if policy == "paper":
+            return paper_batch_sizes(tokens, m_mem, self.compute_budget, self.exponent)
+        return equal_token_batch_sizes(tokens, m_mem)
+
+    def step_samples(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Index positions [n] of the step's samples and, for bucket-chunk policies, their rank [n] (else None)."""
+        cfg = self.config
+        if self._chunks is None:
+            return self._stream.step(step, int(cfg.global_batch or 0)), None
+        if cfg.layout == "spmd":
+            _, pos = self._chunks.chunk(step)
+            return pos, None
+        chunks = [self._chunks.chunk(step * cfg.num_ranks + r)[1] for r in range(cfg.num_ranks)]
+        owner = np.repeat(np.arange(cfg.num_ranks), [len(c) for c in chunks])
+        return np.concatenate(chunks), owner
+
+    def assign(self, step: int) -> Assignment:
+        """The decisions of global step ``step`` as arrays: a pure function of the seed, the step and the fixed
+        inputs. This is the planning work; ``plan``/``plan_rank`` only turn it into objects."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        cfg, facts = self.config, self.facts
+        pos, owner = self.step_samples(step)
+        draw = self.router.draw(cfg.seed, step, len(pos))
+        timesteps, experts = (draw.timesteps, draw.experts) if hasattr(draw, "timesteps") else draw
+        items = StepItems(
+            ids=self.index.ids[pos],
+            bucket=self.bucket_of[pos],
+            expert=np.asarray(experts, dtype=np.int64),
+            timesteps=np.asarray(timesteps, dtype=np.float32),
+        )
+        if cfg.layout == "spmd":
+            return spmd_assignment(items, cfg.num_ranks, facts)
+        if owner is None and cfg.sync == "micro-batch":
+            owner, slot = lockstep_assign(
+                items.bucket, items.expert, facts.cost, facts.cap, cfg.num_ranks, facts.overhead
+            )
+        else:
+            if owner is None:
+                groups = items.expert * len(facts.tokens) + items.bucket
+                owner = balance(facts.cost[items.bucket], groups, cfg.num_ranks, cfg.repair_iters)
+            slot = slots_by_group(items, owner, cfg.num_ranks, facts)
+        return per_rank_assignment(items, owner, slot, cfg.num_ranks)
+
+    def plan(self, step: int) -> StepPlan:
+        """The full plan of global step ``step`` (every rank's micro-batches)."""
+        a = self.assign(step)
+        ranks = tuple(materialise(a, self.facts))
+        return StepPlan(step, ranks, a.num_samples, layout=self.config.layout, policy=self.config.policy)
+
+    def plan_rank(self, step: int, rank: int) -> tuple[RankPlan, int]:
+        """(this rank's plan, the step's global sample count): what one trainer process needs."""
+        if not 0 <= rank < self.config.num_ranks:
+            raise ValueError(f"rank {rank} is outside [0, {self.config.num_ranks})")
+        a = self.assign(step)
+        return materialise(a, self.facts, [rank])[0], a.num_samples
+
+    def cost_grid(self, step: int) -> np.ndarray:
+        """Predicted compute [R, K] per (rank, slot), without building the plan objects (metrics, simulation)."""
+        return cost_grid(self.assign(step), self.facts)
+
+
+def plan_step(
+    index: SampleShapes,
+    *,
+    step: int,
+    variant: WanVariant,
+    config: PlanConfig,
+    cost_model: CostModel,
+    router: Router,
+    buckets: BucketTable | None = None,
+) -> StepPlan:
+    """One-shot planning of ``step``; a trainer keeps a :class:`Planner` instead to reuse its tables and caches."""
+    return Planner(index, variant, config, cost_model, router, buckets).plan(step)

@@ -1,0 +1,1 @@
+"""Checkpoints: orbax for the JAX trainer (``orbax_checkpoint``), torch DCP for the PyTorch trainer."""

@@ -1,0 +1,249 @@
+"""PyTorch checkpoints with ``torch.distributed.checkpoint`` (DCP): both experts, their optimizers, RNG and the
+driver's bookkeeping (next step, data position), to a path or to ``gs://``.
+
+Layout under the checkpoint root (``spec.training.checkpoint.uri``)::
+
+    step_00000050/            one checkpoint: resume runs step 50 next
+      .metadata, __*.distcp   DCP files (every rank writes its own FSDP shards)
+      meta.json               {"next_step": 50, "meta": {...}}: written last, so it marks the checkpoint complete
+
+Atomicity: on a path, ranks write into ``.step_<n>.tmp`` which rank 0 renames once ``meta.json`` is in it; on
+``gs://`` (no rename), each rank writes into its own local staging folder, uploads what it wrote, and rank 0
+uploads ``meta.json`` after a barrier. A checkpoint without ``meta.json`` is ignored by ``latest_step`` and
+overwritten by the next save. Restoring from ``gs://`` downloads the checkpoint into each rank's staging folder.
+
+Optimizer states are created eagerly by ``train.step_torch.make_adamw``: DCP's ``get_optimizer_state_dict`` would
+otherwise step an empty optimizer to create its state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(next_step: int) -> str:
+    return f"step_{next_step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@dataclass(frozen=True)
+class GcsLocation:
+    """``gs://bucket/prefix`` split into its parts (prefix without trailing slash, possibly empty)."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> GcsLocation:
+        bucket, _, prefix = uri.removeprefix("gs://").partition("/")
+        if not bucket:
+            raise ValueError(f"checkpoint uri {uri!r} has no bucket; expected gs://bucket/prefix")
+        return cls(bucket, prefix.strip("/"))
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+
+def _bucket(location: GcsLocation) -> Any:
+    from google.cloud import storage  # lazy: only gs:// checkpoints need it
+
+    return storage.Client().bucket(location.bucket)
+
+
+def upload_dir(local: Path, location: GcsLocation, *parts: str) -> None:
+    """Upload every file under ``local`` to ``gs://bucket/prefix/<parts>/<relative path>``."""
+    bucket = _bucket(location)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        bucket.blob(location.key(*parts, path.relative_to(local).as_posix())).upload_from_filename(str(path))
+
+
+def download_prefix(location: GcsLocation, local: Path, *parts: str) -> int:
+    """Download every object under ``gs://bucket/prefix/<parts>/`` into ``local``; returns the object count."""
+    bucket, root = _bucket(location), location.key(*parts) + "/"
+    count = 0
+    for blob in bucket.client.list_blobs(location.bucket, prefix=root):
+        target = local / blob.name[len(root) :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        blob.download_to_filename(str(target))
+        count += 1
+    return count
+
+
+def _gcs_committed_steps(location: GcsLocation) -> list[int]:
+    steps = set()
+    for blob in _bucket(location).client.list_blobs(location.bucket, prefix=location.key("step_")):
+        parts = blob.name[len(location.key()) :].strip("/").split("/")
+        if len(parts) == 2 and parts[1] == META_FILE and (m := _STEP_DIR.match(parts[0])):
+            steps.add(int(m.group(1)))
+    return sorted(steps)
+
+
+class CheckpointStore:
+    """Save, find and restore checkpoints under one root (a local path or ``gs://``).
+
+    Args:
+        uri: the checkpoint root.
+        keep: committed checkpoints retained; older ones are deleted after each save.
+        staging_dir: local scratch for ``gs://`` (per-rank subfolders are created inside).
+    """
+
+    def __init__(self, uri: str, *, keep: int, staging_dir: str | Path) -> None:
+        if keep < 1:
+            raise ValueError(f"spec.training.checkpoint.keep must be >= 1, got {keep}")
+        self.uri, self.keep = uri, keep
+        self.gcs = GcsLocation.parse(uri) if uri.startswith("gs://") else None
+        self.root = None if self.gcs else Path(uri)
+        self.staging = Path(staging_dir)
+
+    # -- listing ------------------------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        """Steps of complete checkpoints (with ``meta.json``), ascending."""
+        if self.gcs is not None:
+            return _gcs_committed_steps(self.gcs)
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            int(m.group(1)) for d in self.root.iterdir() if (m := _STEP_DIR.match(d.name)) and (d / META_FILE).is_file()
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, decided on rank 0 and shared, so every rank restores the same one."""
+        steps = self.committed_steps() if _rank() == 0 else []
+        found = [steps[-1] if steps else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], next_step: int, meta: Mapping[str, Any]) -> None:
+        """Write ``state`` (a DCP state dict) and ``meta`` as the checkpoint that resumes at ``next_step``."""
+        record = json.dumps({"next_step": next_step, "meta": dict(meta)}, indent=1, sort_keys=True)
+        if self.gcs is not None:
+            self._save_gcs(state, next_step, record)
+        else:
+            self._save_local(state, next_step, record)
+        self._prune()
+        _barrier()
+
+    def _save_local(self, state: dict[str, Any], next_step: int, record: str) -> None:
+        final = self.root / step_dir_name(next_step)
+        tmp = self.root / f".{final.name}.tmp"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+        _barrier()
+        if _rank() == 0:
+            (tmp / META_FILE).write_text(record)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+
+    def _save_gcs(self, state: dict[str, Any], next_step: int, record: str) -> None:
+        name = step_dir_name(next_step)
+        local = self.staging / f"save-rank{_rank()}" / name
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        # Each rank writes into its own folder (nodes need not share a disk) and uploads exactly what it wrote.
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(local))
+        upload_dir(local, self.gcs, name)
+        shutil.rmtree(local, ignore_errors=True)
+        _barrier()
+        if _rank() == 0:
+            _bucket(self.gcs).blob(self.gcs.key(name, META_FILE)).upload_from_string(record)
+
+    def _prune(self) -> None:
+        if _rank() != 0:
+            return
+        for step in self.committed_steps()[: -self.keep]:
+            if self.gcs is not None:
+                bucket = _bucket(self.gcs)
+                prefix = self.gcs.key(step_dir_name(step)) + "/"
+                for blob in list(bucket.client.list_blobs(self.gcs.bucket, prefix=prefix)):
+                    blob.delete()
+            else:
+                shutil.rmtree(self.root / step_dir_name(step))
+
+    # -- restoring ----------------------------------------------------------------------------------------------
+    def load(self, state: dict[str, Any], step: int) -> dict[str, Any]:
+        """Load checkpoint ``step`` into ``state`` in place (DCP reshards to the current layout); returns its
+        ``meta.json`` record."""
+        name = step_dir_name(step)
+        if self.gcs is None:
+            folder = self.root / name
+        else:
+            folder = self.staging / f"restore-rank{_rank()}" / name
+            shutil.rmtree(folder, ignore_errors=True)
+            if download_prefix(self.gcs, folder, name) == 0:
+                raise FileNotFoundError(f"checkpoint {self.uri}/{name} is empty")
+        reader = dcp.FileSystemReader(folder)
+        saved = reader.read_metadata().state_dict_metadata
+        if "rng" in state and not any(key.startswith(f"rng.{_rng_key()}.") for key in saved):
+            state.pop("rng")  # a rank the saving run did not have (world size changed): keep its fresh RNG
+        dcp.load(state, storage_reader=reader)
+        record = json.loads((folder / META_FILE).read_text())
+        if self.gcs is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        return record
+
+
+def _rng_key() -> str:
+    return f"rank{_rank()}"
+
+
+def training_state(experts: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
+    """The DCP state dict: sharded model and optimizer states per expert, and this rank's RNG states.
+
+    RNG states are stored per rank (``rng/rank<r>``): each rank restores its own.
+    """
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return {
+        "experts": {name: get_model_state_dict(model) for name, model in experts.items()},
+        "optimizers": {name: get_optimizer_state_dict(experts[name], opt) for name, opt in optimizers.items()},
+        "rng": {_rng_key(): rng},
+    }
+
+
+def apply_training_state(
+    state: dict, experts: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]
+) -> None:
+    """Put a loaded ``training_state`` back into the models, optimizers and RNGs."""
+    for name, model in experts.items():
+        set_model_state_dict(model, state["experts"][name])
+        set_optimizer_state_dict(model, optimizers[name], state["optimizers"][name])
+    if "rng" not in state:
+        return
+    rng = state["rng"][_rng_key()]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

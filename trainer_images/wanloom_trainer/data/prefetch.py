@@ -1,0 +1,196 @@
+"""Loading the micro-batches of upcoming steps in the background, in plan order.
+
+``PlanPrefetcher(dataset, plans, rank, depth)`` walks ``plans`` (``adaptiveload.StepPlan`` objects, step after
+step), keeps up to ``depth`` of this rank's micro-batches loading in worker threads, across step boundaries, and
+hands them out in order::
+
+    for step in prefetcher:                 # StepData, one per plan
+        for mb in step:                     # LoadedMicroBatch, waits only if its load is still running
+            loss += step_fn(mb.batch.latents, mb.batch.text_embeds, mb.timesteps, mb.weights, mb.expert)
+
+Determinism: the loader adds no randomness; the rows are exactly the plan's, and plans are a pure function of
+(seed, step). So the loader's checkpoint state is the next step to run plus the bad-sample count
+(``state_dict``); on resume the trainer rebuilds its plan iterator from that step and the prefetcher checks that
+the first plan it gets is that step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wanloom_trainer.data.reader import LatentBatch, LatentDataset
+
+# Placeholder rows have no planned timestep; any valid t works because their loss weight is 0.
+_PLACEHOLDER_T = 0.0
+
+
+@dataclass(frozen=True)
+class LoadedMicroBatch:
+    """One of this rank's micro-batches with its rows loaded.
+
+    Attributes:
+        step: global step; index: position among this rank's micro-batches of the step.
+        micro_batch: the plan's ``MicroBatch`` (sample_ids, latent_shape, expert, timesteps, weights).
+        batch: the loaded rows (``LatentBatch``; row j stands for planned row ``batch.positions[j]``).
+    """
+
+    step: int
+    index: int
+    micro_batch: Any
+    batch: LatentBatch
+
+    @property
+    def expert(self) -> int:
+        return int(self.micro_batch.expert)
+
+    @property
+    def timesteps(self) -> np.ndarray:
+        """float32 [b]: the planned t of each loaded row."""
+        return self._per_row(self.micro_batch.timesteps, _PLACEHOLDER_T)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """float32 [b]: the planned loss weight of each row, 0 where the row is not valid (padding, bad sample)."""
+        return np.where(self.batch.valid, self._per_row(self.micro_batch.weights, 0.0), 0.0).astype(np.float32)
+
+    def _per_row(self, planned: Any, fill: float) -> np.ndarray:
+        values = np.asarray(planned, dtype=np.float32)
+        pos = self.batch.positions
+        out = np.full(len(pos), fill, dtype=np.float32)
+        out[pos >= 0] = values[pos[pos >= 0]]
+        return out
+
+
+class StepData:
+    """This rank's micro-batches of one step; iterate once, in order."""
+
+    def __init__(self, owner: PlanPrefetcher, plan: Any) -> None:
+        self._owner, self.plan = owner, plan
+        self.step = int(plan.step)
+        self.micro_batches = tuple(plan.ranks[owner.rank].micro_batches)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __iter__(self) -> Iterator[LoadedMicroBatch]:
+        for i, mb in enumerate(self.micro_batches):
+            yield LoadedMicroBatch(self.step, i, mb, self._owner._take(self.step, i))
+        self._owner._finished(self.step)
+
+
+class PlanPrefetcher:
+    """Background loading of one rank's planned micro-batches.
+
+    Args:
+        dataset: the opened dataset.
+        plans: StepPlan objects in step order (e.g. ``planner.plan(s) for s in range(start, steps)``).
+        rank: this process's data-parallel rank (index into ``plan.ranks``).
+        depth: micro-batches kept loading ahead (``spec.data.prefetch``); 0 loads each when it is asked for.
+        workers: threads loading micro-batches (each load fans out over the dataset's own reader threads).
+    """
+
+    def __init__(self, dataset: LatentDataset, plans: Iterable[Any], rank: int, depth: int = 4, workers: int = 2):
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if depth < 0:
+            raise ValueError(f"data.prefetch must be >= 0, got {depth}")
+        self.dataset, self.rank, self.depth = dataset, rank, depth
+        self._plans = iter(plans)
+        self._ready_plans: deque[Any] = deque()  # plans pulled for prefetching but not yet handed out
+        self._work = self._work_items()
+        self._unsubmitted: deque[tuple[int, int, Any]] = deque()  # pulled from the plans, not loading yet
+        self._queue: deque[tuple[int, int, Future[LatentBatch]]] = deque()  # loading or loaded, in plan order
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="wanloom-prefetch")
+        self._next_step: int | None = None
+        self._expect_step: int | None = None
+
+    def _work_items(self) -> Iterator[tuple[int, int, Any]]:
+        for plan in self._plans:
+            if self._expect_step is not None and plan.step != self._expect_step:
+                raise ValueError(
+                    f"the plans start at step {plan.step} but the loader state resumes at step {self._expect_step}; "
+                    "build the plan iterator from the checkpoint's step"
+                )
+            self._expect_step = None
+            if self.rank >= len(plan.ranks):
+                raise ValueError(f"rank {self.rank} is not in step {plan.step}'s plan ({len(plan.ranks)} ranks)")
+            self._ready_plans.append(plan)
+            for i, mb in enumerate(plan.ranks[self.rank].micro_batches):
+                yield int(plan.step), i, mb
+
+    def _pull(self) -> bool:
+        """Advance the plans by one micro-batch without loading it (to learn what comes next)."""
+        item = next(self._work, None)
+        if item is not None:
+            self._unsubmitted.append(item)
+        return item is not None
+
+    def _submit_one(self) -> bool:
+        if not self._unsubmitted and not self._pull():
+            return False
+        step, i, mb = self._unsubmitted.popleft()
+        self._queue.append((step, i, self._pool.submit(self._load, mb)))
+        return True
+
+    def _load(self, mb: Any) -> LatentBatch:
+        if not mb.sample_ids:
+            return self.dataset.placeholder(tuple(mb.latent_shape))
+        return self.dataset.load(mb.sample_ids, tuple(mb.latent_shape))
+
+    def _top_up(self) -> None:
+        while len(self._queue) < self.depth and self._submit_one():
+            pass
+
+    def _take(self, step: int, i: int) -> LatentBatch:
+        """The loaded micro-batch (step, i); micro-batches of steps the caller abandoned are discarded."""
+        while True:
+            if not self._queue and not self._submit_one():
+                raise RuntimeError(f"the plans ran out before step {step} micro-batch {i}")
+            got_step, got_i, future = self._queue.popleft()
+            if (got_step, got_i) == (step, i):
+                break
+            if (got_step, got_i) > (step, i):
+                raise RuntimeError(f"prefetch order broken: wanted step {step} micro-batch {i}, got {got_step}/{got_i}")
+            future.cancel()
+        self._top_up()
+        return future.result()
+
+    def _finished(self, step: int) -> None:
+        self._next_step = step + 1
+
+    def __iter__(self) -> Iterator[StepData]:
+        while True:
+            self._top_up()
+            while not self._ready_plans and self._pull():
+                pass
+            if not self._ready_plans:
+                return
+            yield StepData(self, self._ready_plans.popleft())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position to resume from: the step after the last fully consumed one, plus the dataset's skip count."""
+        return {"next_step": self._next_step, "dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore before iterating; the plans passed in must then start at ``state['next_step']``."""
+        if self._queue or self._ready_plans or self._unsubmitted:
+            raise RuntimeError("load_state_dict must be called before the prefetcher starts loading")
+        self._next_step = self._expect_step = state.get("next_step")
+        self.dataset.load_state_dict(state.get("dataset", {}))
+
+    def close(self) -> None:
+        for _, _, future in self._queue:
+            future.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> PlanPrefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,75 @@
+"""The bad-sample budget: every skipped sample is logged, reported to a metric hook and counted against a limit.
+
+``spec.data.maxBadSamples`` is the number of skips one loader process tolerates; the next one fails the run with
+a message naming the limit and the last bad sample. Every skip counts, including the same broken sample drawn
+again in a later epoch, so the limit bounds how much of the planned data a run may silently lose. The count is
+part of the loader's checkpointed state, so a resumed run keeps its budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Reasons, as the ``reason`` label of wanloom_skipped_samples_total.
+MISSING = "missing"  # the shard (or the index's byte range) is gone
+CORRUPT = "corrupt"  # checksum, npy header, shape or non-finite values
+IO = "io"  # transient storage errors outlasted every retry
+REASONS = (MISSING, CORRUPT, IO)
+
+SkipHook = Callable[[str, int], Any]  # the exporter's record_skipped(reason, n=1)
+
+
+class TooManyBadSamples(RuntimeError):
+    """More samples were skipped than ``spec.data.maxBadSamples`` allows."""
+
+
+class SkipBudget:
+    """Thread-safe skip counter with a limit. ``record`` raises TooManyBadSamples once the limit is passed."""
+
+    def __init__(self, limit: int, on_skip: SkipHook | None = None) -> None:
+        if limit < 0:
+            raise ValueError(f"data.maxBadSamples must be >= 0, got {limit}")
+        self.limit, self.on_skip = limit, on_skip
+        self._lock = threading.Lock()
+        self.by_reason: Counter[str] = Counter()
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.by_reason.values())
+
+    def record(self, sample_id: int, reason: str, detail: str) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"skip reason {reason!r} is not one of {', '.join(REASONS)}")
+        with self._lock:
+            self.by_reason[reason] += 1
+            count = self.skipped
+        log.warning("skipping sample %d (%s, %d of %d allowed): %s", sample_id, reason, count, self.limit, detail)
+        if self.on_skip is not None:
+            try:
+                self.on_skip(reason, 1)
+            except Exception:  # a broken metrics hook must not take the data pipeline down with it
+                log.exception("the skip hook failed")
+        if count > self.limit:
+            raise TooManyBadSamples(
+                f"{count} samples skipped, more than data.maxBadSamples={self.limit} "
+                f"({dict(self.by_reason)}); last: sample {sample_id}: {detail}. Repair or rebuild the dataset "
+                "(wanloom data prepare), or raise spec.data.maxBadSamples"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"skipped_by_reason": dict(self.by_reason)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        counts = state.get("skipped_by_reason", {})
+        bad = set(counts) - set(REASONS)
+        if bad:
+            raise ValueError(f"loader state has unknown skip reasons {sorted(bad)}; valid: {', '.join(REASONS)}")
+        with self._lock:
+            self.by_reason = Counter({k: int(v) for k, v in counts.items()})

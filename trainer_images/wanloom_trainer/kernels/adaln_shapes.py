@@ -1,0 +1,80 @@
+"""Shape and dtype contract of the fused AdaLN op, shared by the Triton and Pallas launchers.
+
+Pure Python (no jax, no torch): both launchers pass shapes as tuples and dtypes as names such as ``"bfloat16"``,
+so the two frameworks reject bad input with the same messages.
+
+Contract:
+- ``x``: ``[B, N, D]`` in float32, bfloat16 or float16.
+- ``scale`` and ``shift``: the same shape, either per sample ``[B, D]`` / ``[B, 1, D]`` (broadcast over the
+  sequence, Wan 14B) or per token ``[B, N, D]`` (Wan 2.2 TI2V-5B); each in float32 or in x's dtype.
+- ``y`` has x's dtype; gradients come back in the dtype and shape of the input they belong to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+X_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class AdaLNLayout:
+    """What a launcher needs to know about one call: sizes and whether modulation is per token."""
+
+    batch: int
+    tokens: int
+    dim: int
+    per_token: bool
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` / ``dtype('bfloat16')`` / ``jnp.bfloat16`` -> ``"bfloat16"``."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    return name.removeprefix("torch.")
+
+
+def adaln_layout(x_shape: tuple[int, ...], scale_shape: tuple[int, ...], shift_shape: tuple[int, ...]) -> AdaLNLayout:
+    """Check shapes and classify the modulation.
+
+    Raises:
+        ValueError: naming the offending argument, its shape and the valid shapes.
+    """
+    x_shape, scale_shape, shift_shape = tuple(x_shape), tuple(scale_shape), tuple(shift_shape)
+    if len(x_shape) != 3 or min(x_shape, default=0) < 1:
+        raise ValueError(f"adaln: x must have shape [B, N, D] with B, N, D >= 1, got {list(x_shape)}")
+    b, n, d = x_shape
+    if scale_shape != shift_shape:
+        raise ValueError(
+            f"adaln: scale and shift must have the same shape, got {list(scale_shape)} and {list(shift_shape)}"
+        )
+    per_sample = {(b, d), (b, 1, d)}
+    if scale_shape in per_sample:
+        return AdaLNLayout(b, n, d, per_token=False)
+    if scale_shape == (b, n, d):
+        return AdaLNLayout(b, n, d, per_token=True)
+    raise ValueError(
+        f"adaln: scale/shift shape {list(scale_shape)} does not fit x {list(x_shape)}; valid: "
+        f"per sample [{b}, {d}] or [{b}, 1, {d}], per token [{b}, {n}, {d}]"
+    )
+
+
+def check_dtypes(x_dtype: object, scale_dtype: object, shift_dtype: object) -> None:
+    """x in float32/bfloat16/float16; scale and shift each in float32 or x's dtype.
+
+    Raises:
+        ValueError: naming the argument and the valid dtypes.
+    """
+    x_name = dtype_name(x_dtype)
+    if x_name not in X_DTYPES:
+        raise ValueError(f"adaln: x dtype {x_name} is not supported; valid: {', '.join(X_DTYPES)}")
+    valid = sorted({"float32", x_name})
+    for arg, dtype in (("scale", scale_dtype), ("shift", shift_dtype)):
+        if dtype_name(dtype) not in valid:
+            raise ValueError(
+                f"adaln: {arg} dtype {dtype_name(dtype)} is not supported with x in {x_name}; valid: {', '.join(valid)}"
+            )
+
+
+def check_eps(eps: float) -> None:
+    if not eps > 0:
+        raise ValueError(f"adaln: eps must be > 0, got {eps}")

@@ -1,0 +1,31 @@
+"""The JAX entry point model code calls for AdaLN: ``impl`` picks the Pallas kernel or the plain jnp chain."""
+
+from __future__ import annotations
+
+import jax
+
+from wanloom_trainer.kernels import ADALN_IMPLS
+
+
+def adaln_jax(x: jax.Array, scale: jax.Array, shift: jax.Array, *, eps: float = 1e-6, impl: str) -> jax.Array:
+    """``LayerNorm(x) · (1 + scale) + shift`` (no affine, fp32 statistics), differentiable.
+
+    Args:
+        x: ``[B, N, D]`` (float32, bfloat16 or float16).
+        scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token ``[B, N, D]``; float32 or x's dtype.
+        eps: LayerNorm epsilon.
+        impl: ``"fused"`` (Pallas with a custom VJP, ``adaln_pallas``; compiled by Mosaic on TPU, the Pallas
+            interpreter on other backends) or ``"reference"`` (plain jnp, ``adaln_reference_jax``).
+
+    Returns:
+        ``y``: ``[B, N, D]`` in x's dtype.
+    """
+    if impl == "fused":
+        from wanloom_trainer.kernels.adaln_pallas import adaln_pallas
+
+        return adaln_pallas(x, scale, shift, eps)
+    if impl == "reference":
+        from wanloom_trainer.kernels.adaln_ref_jax import adaln_reference_jax
+
+        return adaln_reference_jax(x, scale, shift, eps)
+    raise ValueError(f"kernels.adaln: unknown impl {impl!r}; valid: {', '.join(ADALN_IMPLS)}")

@@ -1,0 +1,5 @@
+"""Trainer-side Prometheus metrics; names, types and labels come from ``wanloom_operator.api.metrics``."""
+
+from wanloom_trainer.metrics.exporter import StepRecord, TrainerMetrics, expert_label
+
+__all__ = ["StepRecord", "TrainerMetrics", "expert_label"]

@@ -1,0 +1,37 @@
+"""Prometheus collectors built from the metrics contract (``wanloom_operator.api.metrics``), never from literals.
+
+The contract row says the name, type, help, labels and buckets; this module only turns a row into the matching
+prometheus-client object, so a renamed or relabelled metric changes in exactly one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics import MetricWrapperBase
+
+from wanloom_operator.api.metrics import MetricDef
+
+
+def build_collector(spec: MetricDef, registry: CollectorRegistry) -> MetricWrapperBase:
+    """One prometheus-client collector for one contract row, registered in ``registry``."""
+    # `<name>_created` samples would reach Prometheus as series outside the contract (a counter's `_created` does
+    # not end in `_total`). prometheus-client only offers a process-wide switch.
+    disable_created_metrics()
+    labels = list(spec.labels)
+    if spec.kind == "counter":
+        # prometheus-client appends `_total` itself; the contract spells the full exposed name.
+        return Counter(spec.name.removesuffix("_total"), spec.help, labels, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, labels, registry=registry)
+    if spec.kind == "histogram":
+        if not spec.buckets:
+            raise ValueError(f"histogram {spec.name} has no buckets in the metrics contract")
+        return Histogram(spec.name, spec.help, labels, buckets=spec.buckets, registry=registry)
+    raise ValueError(f"{spec.name}: unknown metric kind {spec.kind!r}; valid: counter, gauge, histogram")
+
+
+def build_collectors(specs: Iterable[MetricDef], registry: CollectorRegistry) -> dict[str, MetricWrapperBase]:
+    """Collectors for every row of ``specs``, keyed by the contract name (the exposed name, `_total` included)."""
+    return {spec.name: build_collector(spec, registry) for spec in specs}

@@ -1,0 +1,216 @@
+"""The trainers' Prometheus exporter: one ``TrainerMetrics`` per process, fed one ``StepRecord`` per step.
+
+Every metric comes from the contract table (``wanloom_operator.api.metrics.TRAINER_METRICS``); a row's
+``exported_by`` decides where it lives: "trainer" rows on every rank, "trainer rank 0" rows only on rank 0, which
+alone sees the cross-rank numbers (load-imbalance CV, compute-load CV, straggler overhead, tokens/s, MFU, loss).
+Definitions of the derived numbers are in docs/metrics.md; the CV and straggler math is AdaptiveLoad's
+(``wanloom_trainer.adaptiveload.metrics``), so the exported numbers are the ones the planner reasons about.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from threading import Thread
+from wsgiref.simple_server import WSGIServer
+
+import numpy as np
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.metrics import MetricWrapperBase
+
+from wanloom_operator.api.metrics import EXPERT_LABELS, TRAINER_METRICS, MetricDef
+from wanloom_trainer import flops
+from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation, straggler_overhead
+from wanloom_trainer.metrics.collectors import build_collectors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step reports. Cross-rank fields are filled on rank 0 only (None elsewhere).
+
+    Expert-keyed dicts use routing's expert ids (0 = high noise, 1 = low noise; a single-model variant uses 0).
+    An expert counts as updated by this step when ``expert_samples[id] > 0``.
+    """
+
+    step: int
+    total_steps: int
+    step_time_s: float  # this rank's wall time of the step
+    rank_step_times_s: list[float] | None  # measured wall time of every rank, shape (ranks,); rank 0 only
+    rank_predicted_costs: list[float] | None  # AdaptiveLoad's predicted load of every rank, shape (ranks,)
+    tokens: int  # transformer tokens trained this step, all ranks
+    model_flops: float  # useful model FLOPs of this step, all ranks (wanloom_trainer.flops)
+    num_devices: int  # devices the step ran on, in the unit of `accelerator`'s peak
+    accelerator: str  # key of wanloom_trainer.flops.ACCELERATORS
+    loss: dict[int, float]
+    grad_norm: dict[int, float]
+    learning_rate: dict[int, float]
+    expert_samples: dict[int, int]
+
+    def __post_init__(self) -> None:
+        _require(self.step >= 0, f"StepRecord.step must be >= 0, got {self.step}")
+        _require(self.total_steps >= 1, f"StepRecord.total_steps must be >= 1, got {self.total_steps}")
+        _require(_positive(self.step_time_s), f"StepRecord.step_time_s must be > 0, got {self.step_time_s}")
+        _require(self.tokens >= 0, f"StepRecord.tokens must be >= 0, got {self.tokens}")
+        _require(self.model_flops >= 0, f"StepRecord.model_flops must be >= 0, got {self.model_flops}")
+        _require(self.num_devices >= 1, f"StepRecord.num_devices must be >= 1, got {self.num_devices}")
+        bad = {e: n for e, n in self.expert_samples.items() if n < 0}
+        _require(not bad, f"StepRecord.expert_samples must be >= 0, got {bad}")
+
+    @property
+    def wall_time_s(self) -> float:
+        """The global step's wall time: the slowest rank when known (steps are synchronous), else this rank's."""
+        return max(self.rank_step_times_s) if self.rank_step_times_s else self.step_time_s
+
+
+class TrainerMetrics:
+    """Prometheus metrics of one trainer process (rank), labelled with its TrainingJob's name."""
+
+    def __init__(self, trainingjob: str, rank: int, *, registry: CollectorRegistry | None = None) -> None:
+        _require(bool(trainingjob), "TrainerMetrics: trainingjob (the TrainingJob's name) must be non-empty")
+        _require(rank >= 0, f"TrainerMetrics: rank must be >= 0, got {rank}")
+        self.trainingjob = trainingjob
+        self.rank = rank
+        self.registry = registry if registry is not None else _process_registry()
+        self._m = build_collectors((m for m in TRAINER_METRICS if _exported_here(m, rank)), self.registry)
+        self._server: tuple[WSGIServer, Thread] | None = None
+        self._unknown_accelerators: set[str] = set()
+
+    # -- serving --------------------------------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve /metrics on ``addr:port`` from a daemon thread (returns at once)."""
+        self._server = start_http_server(port, addr, registry=self.registry)
+        log.info("serving Prometheus metrics on %s:%d (rank %d)", addr, port, self.rank)
+
+    def close(self) -> None:
+        """Stop the HTTP server started by ``serve`` (no-op if none)."""
+        if self._server is not None:
+            server, thread = self._server
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._server = None
+
+    # -- recording ------------------------------------------------------------------------------------------------
+
+    def record_step(self, record: StepRecord) -> None:
+        """Observe this rank's step time; on rank 0 also set progress, balance, throughput and expert metrics."""
+        self._metric("wanloom_step_time_seconds").labels(self.trainingjob, str(self.rank)).observe(record.step_time_s)
+        if self.rank != 0:
+            return
+        self._metric("wanloom_step").labels(self.trainingjob).set(record.step)
+        self._metric("wanloom_total_steps").labels(self.trainingjob).set(record.total_steps)
+        self._record_balance(record)
+        self._record_throughput(record)
+        self._record_experts(record)
+
+    def record_checkpoint(self, step: int, duration_s: float, timestamp: float) -> None:
+        """A completed checkpoint save (rank 0 exports it; other ranks ignore the call)."""
+        _require(step >= 0, f"record_checkpoint: step must be >= 0, got {step}")
+        _require(duration_s >= 0 and math.isfinite(duration_s), f"record_checkpoint: bad duration_s {duration_s}")
+        if self.rank != 0:
+            return
+        self._metric("wanloom_checkpoint_duration_seconds").labels(self.trainingjob).observe(duration_s)
+        self._metric("wanloom_last_checkpoint_step").labels(self.trainingjob).set(step)
+        self._metric("wanloom_last_checkpoint_timestamp_seconds").labels(self.trainingjob).set(timestamp)
+
+    def record_skipped(self, reason: str, n: int = 1) -> None:
+        """``n`` samples the loader skipped on this rank (``reason``: a short fixed word, e.g. "corrupt")."""
+        _require(bool(reason), "record_skipped: reason must be a non-empty string")
+        _require(n >= 0, f"record_skipped: n must be >= 0, got {n}")
+        self._metric("wanloom_skipped_samples_total").labels(self.trainingjob, reason).inc(n)
+
+    def record_data_wait(self, seconds: float) -> None:
+        """Time this rank's step waited for its input batch."""
+        _require(seconds >= 0 and math.isfinite(seconds), f"record_data_wait: seconds must be >= 0, got {seconds}")
+        self._metric("wanloom_data_wait_seconds").labels(self.trainingjob, str(self.rank)).observe(seconds)
+
+    # -- rank-0 pieces --------------------------------------------------------------------------------------------
+
+    def _record_balance(self, record: StepRecord) -> None:
+        if record.rank_step_times_s:
+            times = _per_rank(record.rank_step_times_s, "StepRecord.rank_step_times_s")
+            self._metric("wanloom_load_imbalance_cv").labels(self.trainingjob).set(coefficient_of_variation(times))
+            self._metric("wanloom_straggler_overhead_ratio").labels(self.trainingjob).set(straggler_overhead(times))
+        if record.rank_predicted_costs:
+            costs = _per_rank(record.rank_predicted_costs, "StepRecord.rank_predicted_costs")
+            self._metric("wanloom_compute_load_cv").labels(self.trainingjob).set(coefficient_of_variation(costs))
+
+    def _record_throughput(self, record: StepRecord) -> None:
+        wall = record.wall_time_s
+        self._metric("wanloom_tokens_per_second").labels(self.trainingjob).set(record.tokens / wall)
+        try:
+            ratio = flops.mfu(record.model_flops, wall, record.num_devices, record.accelerator)
+        except ValueError as err:
+            # An accelerator without a known peak must not stop training: MFU stays unset and we say why once.
+            if record.accelerator not in self._unknown_accelerators:
+                self._unknown_accelerators.add(record.accelerator)
+                log.warning("wanloom_mfu_ratio not exported: %s", err)
+            return
+        self._metric("wanloom_mfu_ratio").labels(self.trainingjob).set(ratio)
+
+    def _record_experts(self, record: StepRecord) -> None:
+        for name, values in (
+            ("wanloom_loss", record.loss),
+            ("wanloom_grad_norm", record.grad_norm),
+            ("wanloom_learning_rate", record.learning_rate),
+        ):
+            for expert, value in values.items():
+                self._metric(name).labels(self.trainingjob, expert_label(expert)).set(value)
+        for expert, n in record.expert_samples.items():
+            label = expert_label(expert)
+            # .labels() alone creates the series at 0, so rate() sees an expert's first samples too.
+            samples = self._metric("wanloom_expert_samples_total").labels(self.trainingjob, label)
+            steps = self._metric("wanloom_expert_steps_total").labels(self.trainingjob, label)
+            if n > 0:
+                samples.inc(n)
+                steps.inc()
+
+    def _metric(self, name: str) -> MetricWrapperBase:
+        return self._m[name]
+
+
+def expert_label(expert: int) -> str:
+    """The `expert` label value of routing's expert id (``EXPERT_LABELS``)."""
+    if not 0 <= expert < len(EXPERT_LABELS):
+        raise ValueError(f"expert id {expert} has no label; valid ids: 0..{len(EXPERT_LABELS) - 1} {EXPERT_LABELS}")
+    return EXPERT_LABELS[expert]
+
+
+def _exported_here(spec: MetricDef, rank: int) -> bool:
+    return spec.exported_by == "trainer" or (spec.exported_by == "trainer rank 0" and rank == 0)
+
+
+def _process_registry() -> CollectorRegistry:
+    """A private registry (two exporters in one process never clash) with the usual process/GC/platform series."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+def _per_rank(values: list[float], what: str) -> np.ndarray:
+    """One finite, non-negative value per rank, shape (ranks,)."""
+    out = np.asarray(values, dtype=np.float64)
+    if out.ndim != 1 or not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise ValueError(f"{what} must be one finite value >= 0 per rank, got {values[:8]}")
+    return out
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,342 @@
+"""The Wan 2.x video transformer in Flax NNX, numerically faithful to diffusers' ``WanTransformer3DModel``.
+
+Class and attribute names follow diffusers (``transformer_wan.py``), so checkpoint keys map nearly one to one
+(see ``model/load.py``). Read bottom-up: modulated LayerNorm, feed-forward, block, model, init helpers.
+
+Precision policy: timesteps, the time/text embedders, the patch embedding, all norms and the modulation tables
+(``scale_shift_table``) keep float32 parameters and compute in float32 whatever ``param_dtype`` is; the
+modulation (shift/scale/gate) and the gated residual adds run in float32. Attention and FFN projections use
+``param_dtype`` weights and compute in ``compute_dtype``; the residual stream is stored in ``compute_dtype``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from wanloom_trainer.config.variants import WanVariant
+from wanloom_trainer.kernels import ADALN_IMPLS
+from wanloom_trainer.model.attention import (
+    CROSS_ATTN_TAG,
+    SELF_ATTN_TAG,
+    AttentionFn,
+    WanAttention,
+    get_attention_fn,
+)
+from wanloom_trainer.model.embeddings import WanTimeTextEmbedding
+from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
+from wanloom_trainer.model.rope import rope_cos_sin
+
+FP32 = jnp.float32
+# Named jax.checkpoint policies for nnx.remat around each block. "save_attn" keeps the attention-core outputs
+# (tagged in attention.py), the most expensive activations to recompute at long sequence lengths.
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_attn": jax.checkpoint_policies.save_only_these_names(SELF_ATTN_TAG, CROSS_ATTN_TAG),
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _modulated_layer_norm(x: jax.Array, scale: jax.Array, shift: jax.Array, *, eps: float, impl: str) -> jax.Array:
+    """``LayerNorm(x) · (1 + scale) + shift`` with no affine LayerNorm parameters (AdaLN).
+
+    Args:
+        x: [B, S, D] residual stream (any float dtype).
+        scale, shift: float32 [B, 1, D] (one timestep per sample) or [B, S, D] (per-token timesteps).
+        impl: "reference" (plain jnp, float32 inside) or "fused" (``wanloom_trainer.kernels.adaln_jax``).
+
+    Returns:
+        [B, S, D] in the dtype of ``x``.
+    """
+    if impl == "fused":
+        from wanloom_trainer.kernels import adaln_jax  # lazy: the kernels pull in Pallas
+
+        return adaln_jax(x, scale, shift, eps=eps, impl=impl)
+    xf = x.astype(FP32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    normed = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * (1.0 + scale) + shift).astype(x.dtype)
+
+
+class _Identity(nnx.Module):
+    """Stands in for the checkpoint's parameter-free ``ffn.net.1`` (dropout) so indices match diffusers."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x
+
+
+class GELUProjection(nnx.Module):
+    """``proj`` followed by tanh-approximated GELU (diffusers ``GELU(approximate="tanh")``)."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, linear: Callable[..., nnx.Linear]) -> None:
+        self.proj = linear(dim, ffn_dim)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(self.proj(x), approximate=True)
+
+
+class FeedForward(nnx.Module):
+    """Two-matrix GELU-tanh MLP ``net.0.proj`` → GELU → ``net.2`` (not SwiGLU)."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, linear: Callable[..., nnx.Linear]) -> None:
+        self.net = nnx.List([GELUProjection(dim, ffn_dim, linear=linear), _Identity(), linear(ffn_dim, dim)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class WanTransformerBlock(nnx.Module):
+    """One Wan block: modulated self-attention, cross-attention to text, modulated FFN."""
+
+    def __init__(
+        self,
+        variant: WanVariant,
+        *,
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+        adaln_impl: str,
+        attention_fn: AttentionFn,
+        rngs: nnx.Rngs,
+    ) -> None:
+        dim, eps = variant.dim, variant.eps
+        attn = functools.partial(
+            WanAttention,
+            dim,
+            variant.num_heads,
+            eps,
+            attention_fn=attention_fn,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            rngs=rngs,
+        )
+        linear = functools.partial(nnx.Linear, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs)
+        self.eps, self.adaln_impl, self.compute_dtype = eps, adaln_impl, compute_dtype
+        # 1. Self-attention (norm1 has no parameters: it is the modulated LayerNorm)
+        self.attn1 = attn(checkpoint_tag=SELF_ATTN_TAG)
+        # 2. Cross-attention
+        self.attn2 = attn(checkpoint_tag=CROSS_ATTN_TAG)
+        self.norm2 = nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=FP32, param_dtype=FP32, rngs=rngs)
+        # 3. Feed-forward (norm3 has no parameters either)
+        self.ffn = FeedForward(dim, variant.ffn_dim, linear=linear)
+        self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 6, dim), FP32) / math.sqrt(dim))
+
+    def __call__(
+        self,
+        x_bsd: jax.Array,
+        context_bkd: jax.Array,
+        timestep_proj: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+    ) -> jax.Array:
+        """Args: x_bsd [B, S, D]; context_bkd [B, K, D]; timestep_proj f32 [B, 1|S, 6, D]; rope (cos, sin).
+
+        Returns [B, S, D] in the residual dtype.
+        """
+        mod = self.scale_shift_table[...] + timestep_proj
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
+        modulate = functools.partial(_modulated_layer_norm, eps=self.eps, impl=self.adaln_impl)
+        dtype = x_bsd.dtype
+
+        # 1. Self-attention
+        attn_output = self.attn1(modulate(x_bsd, scale_msa, shift_msa), rope=rope)
+        x_bsd = (x_bsd.astype(FP32) + attn_output.astype(FP32) * gate_msa).astype(dtype)
+
+        # 2. Cross-attention
+        normed = self.norm2(x_bsd.astype(FP32)).astype(dtype)
+        x_bsd = x_bsd + self.attn2(normed, context_bkd).astype(dtype)
+
+        # 3. Feed-forward
+        ff_output = self.ffn(modulate(x_bsd, c_scale_msa, c_shift_msa))
+        return (x_bsd.astype(FP32) + ff_output.astype(FP32) * c_gate_msa).astype(dtype)
+
+
+def _check_choice(field: str, value: str, valid: tuple[str, ...] | dict) -> None:
+    if value not in valid:
+        raise ValueError(f"{field}={value!r} is not valid; valid: {', '.join(valid)}")
+
+
+class WanTransformer3DModel(nnx.Module):
+    """Wan transformer for one expert (A14B) or the dense TI2V-5B model, built from a ``WanVariant``.
+
+    Args:
+        variant: architecture (``wanloom_trainer.config.variants.get_variant``).
+        rngs: random streams for initialisation.
+        param_dtype: dtype of the attention/FFN/output projection weights (fp32-policy weights ignore it).
+        compute_dtype: dtype of the residual stream and of the projections' matmuls.
+        adaln_impl: "reference" (jnp) or "fused" (``wanloom_trainer.kernels.adaln_jax``) for norm1/norm3/norm_out.
+        attention_impl: "xla" or "splash" core for self- and cross-attention (see ``set_attention_fn``).
+        remat: a key of ``REMAT_POLICIES``; wraps each block in ``nnx.remat`` with that policy.
+    """
+
+    def __init__(
+        self,
+        variant: WanVariant,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype = FP32,
+        compute_dtype: jnp.dtype = FP32,
+        adaln_impl: str = "reference",
+        attention_impl: str = "xla",
+        remat: str = "none",
+    ) -> None:
+        _check_choice("adaln_impl", adaln_impl, ADALN_IMPLS)
+        _check_choice("remat", remat, REMAT_POLICIES)
+        attention_fn = get_attention_fn(attention_impl)
+        dim, patch = variant.dim, variant.patch_size
+        self.variant, self.compute_dtype, self.adaln_impl, self.remat = variant, compute_dtype, adaln_impl, remat
+
+        # 1. Patch & position embedding (RoPE tables are computed per input shape in __call__)
+        self.patch_embedding = nnx.Conv(
+            variant.in_channels, dim, patch, patch, padding="VALID", dtype=FP32, param_dtype=FP32, rngs=rngs
+        )
+        # 2. Condition embeddings
+        self.condition_embedder = WanTimeTextEmbedding(dim, variant.freq_dim, variant.text_dim, rngs=rngs)
+        # 3. Transformer blocks
+        self.blocks = nnx.List(
+            [
+                WanTransformerBlock(
+                    variant,
+                    param_dtype=param_dtype,
+                    compute_dtype=compute_dtype,
+                    adaln_impl=adaln_impl,
+                    attention_fn=attention_fn,
+                    rngs=rngs,
+                )
+                for _ in range(variant.num_layers)
+            ]
+        )
+        # 4. Output norm & projection (norm_out is the parameter-free modulated LayerNorm)
+        out_features = variant.out_channels * math.prod(patch)
+        self.proj_out = nnx.Linear(dim, out_features, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs)
+        self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), FP32) / math.sqrt(dim))
+
+    def set_attention_fn(
+        self, self_attention: AttentionFn | None = None, cross_attention: AttentionFn | None = None
+    ) -> None:
+        """Replace the attention core of every block (e.g. a shard_map'd splash kernel or ring attention)."""
+        for block in self.blocks:
+            if self_attention is not None:
+                block.attn1.attention_fn = self_attention
+            if cross_attention is not None:
+                block.attn2.attention_fn = cross_attention
+
+    def _grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        if len(shape) != 5 or shape[1] != self.variant.in_channels:
+            raise ValueError(
+                f"hidden_states must be [B, {self.variant.in_channels}, T, H, W] for {self.variant.name}, got {shape}"
+            )
+        if any(n % p for n, p in zip(shape[2:], self.variant.patch_size, strict=True)):
+            raise ValueError(f"latent (T, H, W)={shape[2:]} must be divisible by patch_size {self.variant.patch_size}")
+        return tuple(n // p for n, p in zip(shape[2:], self.variant.patch_size, strict=True))
+
+    def _block_runner(self) -> Callable[..., jax.Array]:
+        def run(block: WanTransformerBlock, *args: jax.Array) -> jax.Array:
+            return block(*args)
+
+        policy = REMAT_POLICIES[self.remat]
+        return run if self.remat == "none" else nnx.remat(run, policy=policy)
+
+    def __call__(
+        self, hidden_states_bcthw: jax.Array, timestep: jax.Array, encoder_hidden_states_bld: jax.Array
+    ) -> jax.Array:
+        """Predict the flow-matching velocity.
+
+        Args:
+            hidden_states_bcthw: [B, in_channels, T', H', W'] latents (I2V: noise ‖ mask ‖ condition).
+            timestep: float [B], or [B, S] per-token timesteps (S = T'·H'·W' / patch volume; Wan 2.2 TI2V).
+            encoder_hidden_states_bld: [B, L, text_dim] text-encoder states (unmasked, zero-padded).
+
+        Returns:
+            [B, out_channels, T', H', W'] in ``compute_dtype``.
+        """
+        batch = hidden_states_bcthw.shape[0]
+        grid = self._grid(hidden_states_bcthw.shape)
+        seq = math.prod(grid)
+        timestep = _check_timestep(jnp.asarray(timestep), batch, seq)
+        if encoder_hidden_states_bld.ndim != 3 or encoder_hidden_states_bld.shape[-1] != self.variant.text_dim:
+            raise ValueError(
+                f"encoder_hidden_states must be [B, L, {self.variant.text_dim}], got {encoder_hidden_states_bld.shape}"
+            )
+
+        # 1. Patch & position embedding
+        rope = rope_cos_sin(grid, self.variant.head_dim, self.variant.rope_max_seq_len)
+        x = self.patch_embedding(jnp.moveaxis(hidden_states_bcthw.astype(FP32), 1, -1))
+        x_bsd = x.reshape(batch, seq, -1).astype(self.compute_dtype)
+
+        # 2. Condition embeddings: temb f32 [B, D] | [B, S, D]; timestep_proj f32 [B, 1|S, 6, D]
+        temb, timestep_proj, context = self.condition_embedder(timestep, encoder_hidden_states_bld)
+        context_bkd = context.astype(self.compute_dtype)
+
+        # 3. Transformer blocks
+        run = self._block_runner()
+        for block in self.blocks:
+            x_bsd = run(block, x_bsd, context_bkd, timestep_proj, rope)
+
+        # 4. Output norm & projection
+        temb = temb[:, None] if temb.ndim == 2 else temb
+        table = self.scale_shift_table[...]
+        shift, scale = table[:, 0] + temb, table[:, 1] + temb
+        x_bsd = _modulated_layer_norm(x_bsd, scale, shift, eps=self.variant.eps, impl=self.adaln_impl)
+        out = self.proj_out(x_bsd)
+
+        # 5. Unpatchify: [B, S, pt·ph·pw·C] → [B, C, T'·pt... ] with (pt, ph, pw, C) as diffusers lays them out
+        pt, ph, pw = self.variant.patch_size
+        out = out.reshape(batch, *grid, pt, ph, pw, -1)
+        out = jnp.transpose(out, (0, 7, 1, 4, 2, 5, 3, 6))
+        return out.reshape(batch, -1, grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+
+def _check_timestep(timestep: jax.Array, batch: int, seq: int) -> jax.Array:
+    if timestep.shape not in ((batch,), (batch, seq)):
+        raise ValueError(
+            f"timestep must be [B]={[batch]} or per-token [B, S]={[batch, seq]}, got {list(timestep.shape)}"
+        )
+    return timestep.astype(FP32)
+
+
+def abstract_model(variant: WanVariant, **model_kwargs: object) -> WanTransformer3DModel:
+    """The model with ``jax.ShapeDtypeStruct`` values: shapes and dtypes only, no memory (any size, even A14B).
+
+    ``model_kwargs`` are the constructor's keyword arguments other than ``rngs``.
+    """
+    return nnx.eval_shape(lambda: WanTransformer3DModel(variant, rngs=nnx.Rngs(0), **model_kwargs))
+
+
+def state_shardings(abstract: nnx.Module, shardings: ShardingSpec) -> nnx.State:
+    """The abstract model's state with each parameter replaced by its resolved ``Sharding`` (or None)."""
+    state = nnx.state(abstract)
+    flat = [
+        (path, sharding_for(shardings, param_name(path), var.get_value())) for path, var in nnx.to_flat_state(state)
+    ]
+    return nnx.from_flat_state(flat)
+
+
+def init_model(
+    variant: WanVariant, *, seed: int = 0, shardings: ShardingSpec = None, **model_kwargs: object
+) -> WanTransformer3DModel:
+    """Randomly initialised model whose parameters are created already sharded (``init`` runs under ``jit`` with
+    ``out_shardings``), so no device or host ever holds the whole model when ``shardings`` shards it.
+
+    Args:
+        variant: architecture.
+        seed: initialisation seed.
+        shardings: ``ShardingSpec`` (rule ``(name, abstract) -> Sharding | None`` or mapping name → Sharding);
+            None places everything on the default device.
+        model_kwargs: the constructor's other keyword arguments (param_dtype, compute_dtype, remat, ...).
+    """
+    graphdef, abstract_state = nnx.split(abstract_model(variant, **model_kwargs))
+    out_shardings = None if shardings is None else state_shardings(nnx.merge(graphdef, abstract_state), shardings)
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
+    def _init() -> nnx.State:
+        return nnx.state(WanTransformer3DModel(variant, rngs=nnx.Rngs(seed), **model_kwargs))
+
+    return nnx.merge(graphdef, _init())

@@ -1,0 +1,1 @@
+"""Device meshes, sharding rules and sharded attention (JAX ``mesh``/``context_attention``; PyTorch ``*_torch``)."""

@@ -1,0 +1,321 @@
+"""The JAX backend (``train.backend.Backend``): both experts resident and FSDP-sharded on one mesh.
+
+State: ``JaxState(params, opt)``, one entry per expert (0 = high noise, 1 = low noise), float32 master
+parameters and AdamW moments sharded by ``parallel.mesh.ShardingConfig.param``. Shapes come first from
+``jax.eval_shape`` and everything is created by jitted functions with ``out_shardings``, so no process ever holds an
+unsharded expert; a restore reads straight into that layout without initialising first.
+
+Host → device: a slot's rows arrive per data-parallel rank; the global batch [R·b, ...] is assembled with
+``jax.make_array_from_callback``, which asks each process only for the rows of the devices it owns (the same call
+works for one process and for many). Rows are padded with zero-weight copies up to a power of two so the number
+of compiled programs stays small (one per (rows, latent shape), shared by both experts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.distributed import initialize_jax
+from wanloom_trainer.parallel.context_attention import context_parallel_attention
+from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh
+from wanloom_trainer.train.backend import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
+from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
+
+# TrainingJob remat names → the model's jax.checkpoint policies (model.wan_nnx.REMAT_POLICIES).
+REMAT = {"none": "none", "full": "full", "save-matmuls": "dots", "save-attention": "save_attn"}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+EXPERT_FOLDERS = ("transformer", "transformer_2")  # diffusers layout: high-noise, low-noise
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class JaxState:
+    """Per expert: parameters (``nnx.State``) and optimizer state."""
+
+    params: tuple[Any, ...]
+    opt: tuple[Any, ...]
+
+
+def use_gspmd_for_sequence_sharding() -> None:
+    """Partition with GSPMD instead of Shardy (process-wide) for context-parallel meshes.
+
+    Shardy in jax 0.10.2 computes a wrong weight gradient for a convolution whose output is split along a spatial
+    dimension, which is what the patch embedding becomes once the token sequence is sharded over ``context``
+    (repro: tests/trainer/train/scripts/shardy_conv.py); GSPMD partitions it correctly.
+    """
+    if jax.config.jax_use_shardy_partitioner:
+        log.warning("context parallelism: partitioning with GSPMD (Shardy mis-partitions the patch-embedding grad)")
+        jax.config.update("jax_use_shardy_partitioner", False)
+
+
+def _check_local_devices(config: TrainConfig, devices: Sequence[jax.Device] | None) -> None:
+    """WANLOOM_DEVICES_PER_HOST (the operator's view of a pod) must be what JAX sees on this host."""
+    expected = config.distributed.devices_per_host
+    if expected is not None and devices is None and jax.local_device_count() != expected:
+        raise ValueError(
+            f"WANLOOM_DEVICES_PER_HOST={expected} but JAX sees {jax.local_device_count()} local devices "
+            f"({jax.default_backend()}); check spec.resources and the pod's accelerator request"
+        )
+
+
+def _pad_rows(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class JaxBackend:
+    """See the module docstring; constructed once per process, after ``distributed.prepare_platform``."""
+
+    name = "jax"
+
+    def __init__(self, config: TrainConfig, *, devices: Sequence[jax.Device] | None = None) -> None:
+        initialize_jax(config.distributed)
+        if config.parallel.context > 1:
+            use_gspmd_for_sequence_sharding()
+        self.config = config
+        _check_local_devices(config, devices)
+        self.mesh = build_mesh(config.parallel, num_slices=config.distributed.num_slices, devices=devices)
+        self.shardings = ShardingConfig(self.mesh)
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.num_devices = self.mesh.size
+        self._tx = moment_transform(config.optimizer)
+        self._graphdef, abstract_params = nnx.split(self._abstract_model(), nnx.Param)
+        self._param_shardings = jax.tree.map(
+            lambda a: a.sharding, abstract_params, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+        self._opt_shardings = optax.tree_utils.tree_map_params(
+            self._tx,
+            lambda _, s: s,
+            jax.eval_shape(self._tx.init, abstract_params),
+            self._param_shardings,
+            transform_non_params=lambda _: self.shardings.replicated,
+        )
+        self._fns: StepFns = make_step_fns(
+            self._graphdef,
+            config.optimizer,
+            param_shardings=self._param_shardings,
+            opt_shardings=self._opt_shardings,
+            replicated=self.shardings.replicated,
+        )
+        self._checkpointer = None
+        if config.checkpoint.uri is not None:
+            from wanloom_trainer.checkpoint.orbax_checkpoint import OrbaxCheckpointer
+
+            self._checkpointer = OrbaxCheckpointer(config.checkpoint)
+
+    # -- model ---------------------------------------------------------------------------------------------------
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        m = self.config.model
+        return {
+            "param_dtype": DTYPES[m.param_dtype],
+            "compute_dtype": DTYPES[m.compute_dtype],
+            "adaln_impl": m.adaln,
+            "attention_impl": "xla",  # replaced below by the mesh-aware wrapper around the configured core
+            "remat": REMAT[m.remat],
+        }
+
+    def _with_mesh_attention(self, model: nnx.Module) -> nnx.Module:
+        from wanloom_trainer.model.attention import get_attention_fn
+
+        core = get_attention_fn(self.config.model.attention)
+        model.set_attention_fn(
+            context_parallel_attention(core, self.shardings, cross=False),
+            context_parallel_attention(core, self.shardings, cross=True),
+        )
+        return model
+
+    def _abstract_model(self) -> nnx.Module:
+        """The model with ``ShapeDtypeStruct`` parameters that carry their target shardings."""
+        from wanloom_trainer.model.wan_nnx import abstract_model
+
+        model = abstract_model(self.config.model.wan, **self._model_kwargs())
+        graphdef, state = nnx.split(model)
+        placed = nnx.from_flat_state(
+            [(path, self._placed(path, var.get_value())) for path, var in nnx.to_flat_state(state)]
+        )
+        return self._with_mesh_attention(nnx.merge(graphdef, placed))
+
+    def _placed(self, path: tuple[Any, ...], abstract: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        from wanloom_trainer.model.params import param_name
+
+        sharding = self.shardings.param(param_name(path), abstract)
+        return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+
+    def _expert_params(self, expert: int) -> Any:
+        """Expert ``expert``'s parameters, created (or loaded) directly into their shardings."""
+        rule = self.shardings.param
+        if self.config.model.weights is None:
+            from wanloom_trainer.model.wan_nnx import init_model
+
+            # Distinct, reproducible initialisations per expert from the one training seed.
+            seed = int(np.random.SeedSequence([self.config.seed, expert]).generate_state(1)[0] >> 1)
+            model = init_model(self.config.model.wan, seed=seed, shardings=rule, **self._model_kwargs())
+        else:
+            model = self._load_expert(expert, rule)
+        return nnx.split(model, nnx.Param)[1]
+
+    def _load_expert(self, expert: int, rule: Any) -> nnx.Module:
+        from pathlib import Path
+
+        from wanloom_trainer.model.load import load_diffusers_transformer
+
+        weights = self.config.model.weights
+        if weights.startswith("gs://"):
+            raise ValueError(
+                f"spec.model.weights={weights!r}: the JAX loader reads a local or mounted path; copy the diffusers "
+                "checkpoint to a volume (e.g. a GCS FUSE mount) and point weights at it"
+            )
+        folder = Path(weights) / EXPERT_FOLDERS[expert]
+        return load_diffusers_transformer(folder, self.config.model.wan, shardings=rule, **self._model_kwargs())
+
+    # -- Backend protocol ------------------------------------------------------------------------------------------
+
+    def local_ranks(self, num_ranks: int) -> list[int]:
+        if num_ranks != self.config.parallel.batch_ranks:
+            raise ValueError(f"the plan has {num_ranks} ranks but the mesh has {self.config.parallel.batch_ranks}")
+        index_map = self.shardings.batch_b.addressable_devices_indices_map((num_ranks,))
+        return sorted({r for index in index_map.values() for r in range(*index[0].indices(num_ranks))})
+
+    def init_state(self) -> JaxState:
+        params = tuple(self._expert_params(e) for e in range(self.config.model.num_experts))
+        init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
+        return JaxState(params=params, opt=tuple(init_opt(p) for p in params))
+
+    def train_step(self, state: JaxState, inputs: StepInputs) -> tuple[JaxState, StepOutputs]:
+        experts = range(len(state.params))
+        grads: list[Any] = [None for _ in experts]
+        loss_sums: list[list[jax.Array]] = [[] for _ in experts]
+        for slot in inputs.slots:
+            e = slot.expert
+            if grads[e] is None:
+                grads[e] = self._fns.zeros(state.params[e])
+            grads[e], loss = self._fns.accumulate(state.params[e], grads[e], self._device_batch(slot))
+            loss_sums[e].append(loss)
+        params, opt, norms = list(state.params), list(state.opt), [None for _ in experts]
+        for e in experts:
+            if inputs.expert_samples[e] == 0:
+                continue  # no samples: parameters and moments stay exactly as they were
+            if grads[e] is None:
+                raise ValueError(f"step {inputs.step}: expert {e} has {inputs.expert_samples[e]} samples but no slot")
+            lr = jnp.asarray(inputs.learning_rates[e], jnp.float32)
+            params[e], opt[e], norms[e] = self._fns.update(params[e], opt[e], grads[e], lr)
+        outputs = StepOutputs(
+            tuple(
+                ExpertOutputs(
+                    samples=inputs.expert_samples[e],
+                    loss_sum=float(sum(float(x) for x in loss_sums[e])),
+                    grad_norm=None if norms[e] is None else float(norms[e]),
+                    learning_rate=inputs.learning_rates[e],
+                )
+                for e in experts
+            )
+        )
+        return JaxState(tuple(params), tuple(opt)), outputs
+
+    def evaluate(self, state: JaxState, slot: Slot) -> float:
+        """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
+        return float(self._fns.evaluate(state.params[slot.expert], self._device_batch(slot)))
+
+    def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
+        if self._checkpointer is None:
+            raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
+        return self._checkpointer.save(next_step, _as_tree(state), meta)
+
+    def restore(self, state: JaxState | None = None) -> Restored | None:
+        if self._checkpointer is None or self._checkpointer.latest_step() is None:
+            return None
+        step = self._checkpointer.latest_step()
+        template = _as_tree(state) if state is not None else self._abstract_state()
+        tree, meta = self._checkpointer.restore(step, template)
+        return Restored(JaxState(tuple(tree["params"]), tuple(tree["opt"])), step, meta)
+
+    def _abstract_state(self) -> dict[str, Any]:
+        _, params = nnx.split(self._abstract_model(), nnx.Param)
+        opt = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(self._tx.init, params),
+            self._opt_shardings,
+        )
+        n = self.config.model.num_experts
+        return {"params": [params] * n, "opt": [opt] * n}
+
+    def gather_floats(self, value: float) -> list[float]:
+        if self.process_count == 1:
+            return [float(value)]
+        from jax.experimental import multihost_utils
+
+        return [float(x) for x in np.asarray(multihost_utils.process_allgather(np.float64(value))).reshape(-1)]
+
+    def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    # -- host → device ---------------------------------------------------------------------------------------------
+
+    def _device_batch(self, slot: Slot) -> dict[str, jax.Array]:
+        """The slot as global arrays [R·b', ...] sharded over (data, fsdp), rows padded to b' = 2^k ≥ b."""
+        rows = {r.rows for r in slot.ranks.values()}
+        if len(rows) != 1:
+            raise ValueError(f"an spmd slot must give every rank the same rows, got {sorted(rows)}")
+        b = _pad_rows(rows.pop())
+        padded = {rank: _pad(_host_arrays(rr), b) for rank, rr in slot.ranks.items()}
+        num_ranks = self.config.parallel.batch_ranks
+        sharding = self.shardings.batch_b
+        out = {}
+        for key in next(iter(padded.values())):
+            sample = next(iter(padded.values()))[key]
+            shape = (num_ranks * b, *sample.shape[1:])
+            out[key] = jax.make_array_from_callback(
+                shape, sharding, lambda index, key=key: _rows_for(padded, key, index[0], b)
+            )
+        return out
+
+
+def _host_arrays(rows: RankRows) -> dict[str, np.ndarray]:
+    arrays = {
+        "latents": rows.latents,
+        "text": rows.text,
+        "noise": rows.noise,
+        "timesteps": rows.timesteps.astype(np.float32),
+        "weights": rows.weights.astype(np.float32),
+    }
+    if rows.condition is not None:
+        arrays["condition"] = rows.condition
+    return arrays
+
+
+def _pad(arrays: dict[str, np.ndarray], target: int) -> dict[str, np.ndarray]:
+    n = arrays["weights"].shape[0]
+    if n == target:
+        return arrays
+    out = {}
+    for key, value in arrays.items():
+        filler = np.zeros_like(value[:1]) if key == "weights" else value[:1]
+        out[key] = np.concatenate([value, np.repeat(filler, target - n, axis=0)])
+    return out
+
+
+def _rows_for(padded: Mapping[int, dict[str, np.ndarray]], key: str, index: slice, b: int) -> np.ndarray:
+    start, stop = index.start or 0, index.stop
+    ranks = range(start // b, -(-stop // b)) if stop is not None else sorted(padded)
+    missing = [r for r in ranks if r not in padded]
+    if missing:
+        raise ValueError(f"this process was not given rows for data-parallel ranks {missing}")
+    block = np.concatenate([padded[r][key] for r in ranks])
+    offset = start - ranks[0] * b
+    return block[offset : offset + (stop - start if stop is not None else len(block))]
+
+
+def _as_tree(state: JaxState) -> dict[str, Any]:
+    return {"params": list(state.params), "opt": list(state.opt)}

@@ -1,0 +1,262 @@
+"""The PyTorch backend (``train.backend.Backend``): both diffusers experts resident, each FSDP2-sharded.
+
+State: ``TorchState(experts, optimizers)``, one entry per expert (0 = high noise ``transformer/``, 1 = low noise
+``transformer_2/``). Experts are built on the meta device, patched (fused AdaLN), parallelised (AC then FSDP2,
+``parallel.torch_parallel``) and only then materialised: rank 0 alone reads the full weights (diffusers folder
+or a seeded random initialisation) and broadcasts each rank its shards, so no other process ever holds a whole
+expert. One process drives one device and feeds one data-parallel rank (context-parallel peers feed the same one).
+
+A step runs the plan's slots in order: slot k goes through expert ``slot.expert`` on every rank (the per-rank
+layout keeps experts in lockstep, so each expert's all-gathers and reduce-scatters match), gradients accumulate in
+the sharded ``.grad`` and are summed over ranks, then every expert with samples takes one AdamW step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from diffusers import WanTransformer3DModel
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.model.wan_torch import (
+    apply_adaln_impl,
+    build_expert,
+    expert_names,
+    expert_subfolders,
+    load_expert,
+)
+from wanloom_trainer.parallel.torch_parallel import (
+    MixedPrecision,
+    build_torch_mesh,
+    parallelize_wan,
+)
+from wanloom_trainer.torch_distributed import destroy_process_group, init_process_group
+from wanloom_trainer.train.backend import ExpertOutputs, Restored, Slot, StepInputs, StepOutputs
+from wanloom_trainer.train.step_torch import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# spec.kernels.attention -> diffusers attention backend ("_native_flash": PyTorch's built-in FlashAttention kernel).
+ATTENTION_BACKENDS = {"sdpa": "native", "flash": "_native_flash"}
+
+
+@dataclass
+class TorchState:
+    """Per expert: the FSDP-wrapped diffusers model and its AdamW (updated in place by ``train_step``)."""
+
+    experts: tuple[nn.Module, ...]
+    optimizers: tuple[torch.optim.AdamW, ...]
+
+
+def expert_seed(seed: int, expert: int) -> int:
+    """A distinct, reproducible initialisation seed per expert from the one training seed."""
+    return int(np.random.SeedSequence([seed, expert]).generate_state(1)[0] >> 1)
+
+
+class TorchBackend:
+    """See the module docstring; one per process."""
+
+    name = "torch"
+
+    def __init__(self, config: TrainConfig, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        # The loss only reads the model's output (never modifies it in place), which is what this warns about.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        if config.model.adaln == "fused":
+            _enable_triton_interpreter_on_cpu()
+        self._owns_group = not dist.is_initialized()
+        self.proc = init_process_group(config.distributed, env)
+        self.device = self.proc.device
+        if self.device.type == "cpu":
+            # CPU runs train tiny models, whose ops are far too small for intra-op threads: with two OpenMP
+            # threads per process a step on a busy 2-core host ran ~25x slower than with one (181 vs 7 ms).
+            torch.set_num_threads(1)
+        self.mesh = build_torch_mesh(config.parallel, self.proc.world_size, self.device.type)
+        self.dp_rank, self.dp_size = self.mesh.data_parallel_rank()
+        self.process_index, self.process_count = self.proc.rank, self.proc.world_size
+        self.num_devices = self.proc.world_size
+        self.precision = MixedPrecision(DTYPES[config.model.param_dtype], DTYPES[config.model.compute_dtype])
+        self.names = expert_names(config.model.wan)
+        self._store = None
+        if config.checkpoint.uri is not None:
+            from wanloom_trainer.checkpoint.dcp_checkpoint import CheckpointStore
+
+            staging = Path(config.run_dir) / "checkpoint-staging"
+            self._store = CheckpointStore(config.checkpoint.uri, keep=config.checkpoint.keep, staging_dir=staging)
+
+    # -- model -----------------------------------------------------------------------------------------------------
+
+    def _full_state_dict(self, expert: int) -> dict[str, torch.Tensor]:
+        """Rank 0's full fp32 weights of one expert: the diffusers folder, or a seeded random initialisation."""
+        variant, weights = self.config.model.wan, self.config.model.weights
+        if weights is None:
+            return build_expert(variant, seed=expert_seed(self.config.seed, expert)).state_dict()
+        if weights.startswith("gs://"):
+            weights = str(self._stage_weights(weights))
+        folder = Path(weights) / expert_subfolders(self.config.model.wan)[expert]
+        return load_expert(folder, variant).state_dict()
+
+    def _stage_weights(self, uri: str) -> Path:
+        """Download the experts' folders of a gs:// pipeline root once (rank 0), into a folder named by the URI;
+        each folder is renamed into place only when complete, so an interrupted download is retried."""
+        from wanloom_trainer.checkpoint.dcp_checkpoint import GcsLocation, download_prefix
+
+        local = Path(self.config.run_dir) / "weights" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        location = GcsLocation.parse(uri)
+        for folder in expert_subfolders(self.config.model.wan):
+            if (local / folder).is_dir():
+                continue
+            partial = local / f".{folder}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            if download_prefix(location, partial, folder) == 0:
+                raise FileNotFoundError(f"spec.model.weights: nothing under {uri}/{folder}/")
+            partial.rename(local / folder)
+        return local
+
+    def _build_expert(self, expert: int) -> nn.Module:
+        variant = self.config.model.wan
+        with torch.device("meta"):
+            model = WanTransformer3DModel(**variant.diffusers_config())
+        model = apply_adaln_impl(model, self.config.model.adaln)
+        if (attention := self._attention_backend()) != "native":  # native SDPA is diffusers' default
+            model.set_attention_backend(attention)
+        if self.precision.param_dtype != torch.float32:
+            model.to(self.precision.param_dtype)  # bf16 masters: FSDP2 needs one dtype per sharded group
+        parallelize_wan(model, mesh=self.mesh, remat=self.config.model.remat, mixed_precision=self.precision)
+        model.to_empty(device=self.device)
+        full = self._full_state_dict(expert) if self.proc.rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        _init_rope_buffers(model, self.device)
+        return model
+
+    def _attention_backend(self) -> str:
+        attention = self.config.model.attention
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"spec.kernels.attention {attention!r}: the torch backend supports sdpa or flash")
+        if attention == "flash" and (self.device.type != "cuda" or self._compute_dtype != torch.bfloat16):
+            raise ValueError("spec.kernels.attention 'flash' needs CUDA devices and computeDtype bfloat16; use sdpa")
+        return ATTENTION_BACKENDS[attention]
+
+    # -- Backend protocol ------------------------------------------------------------------------------------------
+
+    def local_ranks(self, num_ranks: int) -> list[int]:
+        if num_ranks != self.dp_size:
+            raise ValueError(
+                f"the plan has {num_ranks} ranks but the torch mesh has {self.dp_size} data-parallel ranks"
+            )
+        return [self.dp_rank]
+
+    def init_state(self) -> TorchState:
+        experts = tuple(self._build_expert(e) for e in range(len(self.names)))
+        optimizers = tuple(make_adamw(m.parameters(), self.config.optimizer) for m in experts)
+        return TorchState(experts, optimizers)
+
+    def train_step(self, state: TorchState, inputs: StepInputs) -> tuple[TorchState, StepOutputs]:
+        loss_sums = torch.zeros(len(state.experts), dtype=torch.float64, device=self.device)
+        for slot in inputs.slots:
+            rows = self._my_rows(slot)
+            loss_sums[slot.expert] += accumulate(state.experts[slot.expert], rows, self.device, self._compute_dtype)
+        norms: list[float | None] = [None] * len(state.experts)
+        for e, (model, optimizer) in enumerate(zip(state.experts, state.optimizers, strict=True)):
+            if inputs.expert_samples[e] > 0:
+                norms[e] = update(model, optimizer, inputs.learning_rates[e], self.config.optimizer.clip_grad_norm)
+            else:  # no samples anywhere this step: parameters and moments stay exactly as they were
+                optimizer.zero_grad(set_to_none=True)
+        totals = self._sum_over_data_parallel(loss_sums)
+        outputs = tuple(
+            ExpertOutputs(inputs.expert_samples[e], float(totals[e]), norms[e], inputs.learning_rates[e])
+            for e in range(len(state.experts))
+        )
+        return state, StepOutputs(outputs)
+
+    def evaluate(self, state: TorchState, slot: Slot) -> float:
+        """Σ weights·loss of one slot through its expert, without gradients (the training loss), all ranks."""
+        with torch.no_grad():
+            batch = rows_to_tensors(self._my_rows(slot), self.device)
+            loss, _ = flow_matching_loss(state.experts[slot.expert], **batch, compute_dtype=self._compute_dtype)
+        return float(self._sum_over_data_parallel(torch.tensor([float(loss)], dtype=torch.float64))[0])
+
+    def save(self, state: TorchState, next_step: int, meta: Mapping[str, Any]) -> float:
+        """Checkpoint both experts, optimizers and RNG with ``meta``; returns the seconds it took."""
+        from wanloom_trainer.checkpoint.dcp_checkpoint import training_state
+
+        if self._store is None:
+            raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
+        start = time.perf_counter()
+        self._store.save(training_state(*self._by_name(state)), next_step, meta)
+        return time.perf_counter() - start
+
+    def restore(self, state: TorchState | None = None) -> Restored | None:
+        from wanloom_trainer.checkpoint.dcp_checkpoint import apply_training_state, training_state
+
+        if self._store is None or (step := self._store.latest_step()) is None:
+            return None
+        state = state if state is not None else self.init_state()
+        loaded = training_state(*self._by_name(state))
+        record = self._store.load(loaded, step)
+        apply_training_state(loaded, *self._by_name(state))
+        return Restored(state, int(record["next_step"]), record["meta"])
+
+    def gather_floats(self, value: float) -> list[float]:
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.proc.world_size)]
+        dist.all_gather(every, mine)
+        return [float(t.item()) for t in every]
+
+    def close(self) -> None:
+        """Checkpoints are written synchronously: nothing is pending. Release the process group if this backend
+        created it (no barrier: after a failure on one rank, the others may never reach it)."""
+        if self._owns_group:
+            destroy_process_group()
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    def _my_rows(self, slot: Slot) -> Any:
+        if self.dp_rank not in slot.ranks:
+            raise ValueError(f"slot for expert {slot.expert} has no rows for data-parallel rank {self.dp_rank}")
+        return slot.ranks[self.dp_rank]
+
+    def _by_name(self, state: TorchState) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        return dict(zip(self.names, state.experts, strict=True)), dict(zip(self.names, state.optimizers, strict=True))
+
+    def _sum_over_data_parallel(self, values: torch.Tensor) -> torch.Tensor:
+        """Σ over data-parallel ranks: an all-reduce over every rank, divided by the context-parallel peers that
+        computed the same samples' loss."""
+        total = values.to(self.device)
+        dist.all_reduce(total)
+        return (total / (self.proc.world_size // self.dp_size)).cpu()
+
+
+def _init_rope_buffers(model: nn.Module, device: torch.device) -> None:
+    """RoPE tables are non-persistent buffers (not in any state dict): recompute them after meta materialisation."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    rope = model.rope
+    fresh = WanRotaryPosEmbed(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
+    for name, buffer in fresh.named_buffers():
+        getattr(rope, name).copy_(buffer.to(device))
+
+
+def _enable_triton_interpreter_on_cpu() -> None:
+    """``kernels.adaln: fused`` on a CPU-only host runs Triton's interpreter, which is chosen at Triton's import."""
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")

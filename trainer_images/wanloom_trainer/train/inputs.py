@@ -1,0 +1,87 @@
+"""From plans to backend inputs: the planner for a run, and loaded micro-batches → ``backend.Slot``.
+
+Framework-free (numpy): both backends get the same rows, noise, timesteps and weights for the same plan.
+The loss weight of a row is the plan's weight (1/num_samples for real rows, 0 for padding and bad samples) times
+the routing loss weight of its timestep (``routing.loss_weights``, normalised over the fixed 1000-point grid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.routing import loss_weights
+from wanloom_trainer.train.backend import RankRows, Slot
+from wanloom_trainer.train.objective import batch_noise
+
+
+def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any:
+    """The AdaptiveLoad planner of this run (``layout``: "spmd" for JAX, "per-rank" for PyTorch); the cost model
+    comes from ``adaptiveload.cost_source`` (a stored shape benchmark, else the analytic FLOP model)."""
+    from wanloom_trainer.adaptiveload.buckets import BucketTable
+    from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
+    from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
+
+    al = config.adaptive_load
+    plan_config = PlanConfig(
+        num_ranks=config.parallel.batch_ranks,
+        policy=al.scheduler if al.enabled else "equal-tokens",
+        layout=layout,
+        global_batch=config.global_batch,
+        memory_budget_tokens=al.memory_budget_tokens,
+        compute_budget=al.compute_budget,
+        exponent=al.exponent,
+        seed=config.seed,
+    )
+    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
+    cost = resolve_cost_model(config, sample_shapes=sample_shapes).model
+    return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)
+
+
+def rank_rows(loaded: Any, *, seed: int, step: int, loss_weighting: str) -> RankRows:
+    """A loaded micro-batch (``data.LoadedMicroBatch``) as one rank's rows, with its noise and loss weights."""
+    batch = loaded.batch
+    timesteps = loaded.timesteps.astype(np.float32)
+    weights = (loaded.weights * loss_weights(timesteps, loss_weighting)).astype(np.float32)
+    return RankRows(
+        sample_ids=np.asarray(batch.sample_ids, dtype=np.int64),
+        latents=batch.latents,
+        text=batch.text_embeds,
+        noise=batch_noise(seed, step, batch.sample_ids, batch.latents.shape[1:]),
+        timesteps=timesteps,
+        weights=weights,
+        condition=batch.condition,
+    )
+
+
+def step_slots(step_data: Sequence[Any], ranks: Sequence[int], *, seed: int, loss_weighting: str) -> list[Slot]:
+    """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches)."""
+    per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
+    counts = {len(mbs) for mbs in per_rank}
+    if len(counts) != 1:
+        raise ValueError(f"local ranks {list(ranks)} have different micro-batch counts {sorted(counts)}")
+    slots = []
+    for k in range(counts.pop()):
+        loaded = [mbs[k] for mbs in per_rank]
+        experts = {mb.expert for mb in loaded}
+        if len(experts) != 1:
+            raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
+        step = loaded[0].step
+        rows = {
+            r: rank_rows(mb, seed=seed, step=step, loss_weighting=loss_weighting)
+            for r, mb in zip(ranks, loaded, strict=True)
+        }
+        slots.append(Slot(expert=experts.pop(), ranks=rows))
+    return slots
+
+
+def expert_samples(plan: Any, num_experts: int) -> tuple[int, ...]:
+    """Real samples per expert over all ranks of a ``StepPlan``."""
+    counts = [0] * num_experts
+    for rank in plan.ranks:
+        for mb in rank.micro_batches:
+            counts[mb.expert] += mb.num_real
+    return tuple(counts)

@@ -1,0 +1,160 @@
+"""``wanloom run``: a TrainingJob on this machine, in one process or in N processes wired exactly like pods.
+
+With ``processes > 1`` every process is ``python -m wanloom_trainer`` with the environment the operator gives a
+pod (docs/startup-contract.md): the TrainingJob file in ``WANLOOM_CONFIG``, process 0's address in
+``WANLOOM_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port here), one slice of N hosts, host index i, and the
+CPU platform with ``devicesPerNode`` host devices each. Process 0 prints to the terminal; the others log to
+``<run_dir>/logs/process-<i>.log``. If one process fails, the rest are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from wanloom_operator.api import keys
+from wanloom_operator.api.trainingjob import TrainingJob
+
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def with_overrides(job: TrainingJob, *, steps: int | None = None, processes: int | None = None) -> TrainingJob:
+    """The job with ``training.steps`` and/or the CPU process count (``resources.cpu.nodes``) replaced."""
+    spec = job.spec
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {steps}")
+        training = spec.training.model_copy(update={"steps": steps})
+        warmup = min(spec.optimizer.warmup_steps, steps)
+        spec = spec.model_copy(
+            update={"training": training, "optimizer": spec.optimizer.model_copy(update={"warmup_steps": warmup})}
+        )
+    if processes is not None:
+        if spec.resources.cpu is None:
+            raise ValueError(
+                f"--processes runs CPU jobs only; {job.metadata.name} requests {spec.resources.accelerator}"
+            )
+        if processes < 1:
+            raise ValueError(f"--processes must be >= 1, got {processes}")
+        cpu = spec.resources.cpu.model_copy(update={"nodes": processes})
+        spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"cpu": cpu})})
+    return job.model_copy(update={"spec": spec})
+
+
+def pod_env(
+    job: TrainingJob,
+    *,
+    host_index: int,
+    hosts: int,
+    coordinator: str,
+    config_path: str,
+    run_dir: str,
+    metrics_port: int,
+) -> dict[str, str]:
+    """The WANLOOM_* variables (and JAX CPU platform) the operator would render for host ``host_index``."""
+    devices = job.spec.resources.cpu.devices_per_node if job.spec.resources.cpu else 1
+    return {
+        keys.ENV_CONFIG: config_path,
+        keys.ENV_JOB_NAME: job.metadata.name,
+        keys.ENV_METRICS_PORT: str(metrics_port),
+        keys.ENV_RUN_DIR: run_dir,
+        keys.ENV_COORDINATOR_ADDRESS: coordinator,
+        keys.ENV_NUM_SLICES: "1",
+        keys.ENV_SLICE_INDEX: "0",
+        keys.ENV_HOSTS_PER_SLICE: str(hosts),
+        keys.ENV_HOST_INDEX: str(host_index),
+        keys.ENV_DEVICES_PER_HOST: str(devices),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_run_dir(job: TrainingJob) -> str:
+    return os.path.abspath(os.path.join("runs", job.metadata.name))
+
+
+def local_env(run_dir: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The base environment of a local run: a persistent XLA compilation cache next to the runs."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault(COMPILE_CACHE_ENV, os.path.join(os.path.dirname(run_dir), ".jax-compile-cache"))
+    return env
+
+
+def run_in_process(job: TrainingJob, *, run_dir: str, metrics_port: int, progress: bool = True) -> object:
+    """One process: the same driver as a pod, without a coordinator."""
+    from wanloom_trainer.config.train_config import from_trainingjob
+    from wanloom_trainer.distributed import prepare_platform
+
+    env = local_env(run_dir)
+    env.update({keys.ENV_RUN_DIR: run_dir, keys.ENV_METRICS_PORT: str(metrics_port)})
+    config = from_trainingjob(job, env)
+    os.environ.setdefault(COMPILE_CACHE_ENV, env[COMPILE_CACHE_ENV])
+    prepare_platform(config)
+    from wanloom_trainer.train.run import run
+
+    return run(config, progress=progress)
+
+
+def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_port: int) -> int:
+    """N pod-like processes; returns the first non-zero exit status (0 if all succeed)."""
+    Path(run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    config_path = os.path.join(run_dir, keys.CONFIG_FILE_NAME)
+    Path(config_path).write_text(yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True)))
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs, logs = [], []
+    try:
+        for i in range(processes):
+            env = local_env(run_dir)
+            port = metrics_port + i if metrics_port else 0
+            env.update(
+                pod_env(
+                    job,
+                    host_index=i,
+                    hosts=processes,
+                    coordinator=coordinator,
+                    config_path=config_path,
+                    run_dir=run_dir,
+                    metrics_port=port,
+                )
+            )
+            out = None
+            if i > 0:
+                out = open(os.path.join(run_dir, "logs", f"process-{i}.log"), "w")  # noqa: SIM115 (closed below)
+                logs.append(out)
+            procs.append(subprocess.Popen([sys.executable, "-m", "wanloom_trainer"], env=env, stdout=out, stderr=out))
+        return _wait_all(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                p.wait()
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)

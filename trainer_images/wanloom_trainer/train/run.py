@@ -1,0 +1,195 @@
+"""The training driver, backend-agnostic: the same phases run the JAX and the PyTorch trainer.
+
+    1. backend      framework, devices, process group (``jax.distributed`` / ``torch.distributed``)
+    2. data         generate the synthetic dataset if asked (process 0), open the dataset and its shape index
+    3. plans        the AdaptiveLoad planner: step s's plan is a pure function of (seed, s)
+    4. state        restore the latest checkpoint, or initialise both experts and their optimizers
+    5. loop         plan → prefetched micro-batches → backend step → metrics/log/progress → checkpoint cadence
+    6. finish       final checkpoint, loss-curve plot
+
+Everything random (data order, timesteps, experts, noise) is keyed by (seed, step), so a checkpoint needs only the
+parameters, the optimizer states, the next step and the loader's skip count: a resumed run replays exactly what
+the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.train.backend import Backend, StepInputs
+from wanloom_trainer.train.inputs import expert_samples, make_planner, step_slots
+from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
+from wanloom_trainer.train.reporting import Reporter, step_log
+from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
+
+log = logging.getLogger(__name__)
+LAYOUTS = {"jax": "spmd", "torch": "per-rank"}  # JAX runs one SPMD program; torch ranks run their own shapes
+StepHook = Callable[[StepLog], None]
+
+
+@dataclass
+class RunResult:
+    start_step: int
+    next_step: int
+    records: list[StepLog] = field(default_factory=list)  # steps run by this call (process 0 only)
+    checkpoints: list[int] = field(default_factory=list)
+    plot: Path | None = None
+
+
+def make_backend(config: TrainConfig) -> Backend:
+    if config.backend == "torch":
+        from wanloom_trainer.train.backend_torch import TorchBackend
+
+        return TorchBackend(config)
+    from wanloom_trainer.train.backend_jax import JaxBackend
+
+    return JaxBackend(config)
+
+
+def run(
+    config: TrainConfig, *, backend: Backend | None = None, progress: bool = True, on_step: StepHook | None = None
+) -> RunResult:
+    """Train ``config`` to ``config.steps`` (resuming from the latest checkpoint); ``on_step`` sees every step."""
+    backend = backend if backend is not None else make_backend(config)  # 1. backend
+    with ExitStack() as stack:
+        stack.callback(backend.close)
+        dataset = open_data(config, backend)  # 2. data
+        stack.callback(dataset.close)
+        planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
+        state, start, meta = initial_state(config, backend)  # 4. state
+        reporter = Reporter(config, process_index=backend.process_index, start_step=start, progress=progress)
+        stack.callback(reporter.close)
+        result = RunResult(start_step=start, next_step=start)
+        loop = _Loop(config, backend, dataset, planner, reporter, result, on_step)
+        state = loop.run(state, start, meta)  # 5. loop
+        finish(config, backend, result, reporter)  # 6. finish
+    return result
+
+
+def open_data(config: TrainConfig, backend: Backend) -> Any:
+    """Process 0 generates the synthetic dataset if asked; every process then opens it."""
+    from wanloom_trainer.data import ensure_synthetic, open_dataset
+
+    if backend.process_index == 0:
+        ensure_synthetic(config.data, config.model.wan, progress=False)
+    backend.gather_floats(0.0)  # a barrier: nobody opens the index before process 0 has written it
+    return open_dataset(config.data.uri, config.data.index, max_bad_samples=config.data.max_bad_samples)
+
+
+def initial_state(config: TrainConfig, backend: Backend) -> tuple[Any, int, dict[str, Any]]:
+    """(state, first step to run, checkpoint record): the latest checkpoint if any, else a fresh state."""
+    restored = backend.restore()
+    if restored is None:
+        return backend.init_state(), 0, {}
+    meta = dict(restored.meta)
+    for key, want in (("seed", config.seed), ("variant", config.model.variant)):
+        if key in meta and meta[key] != want:
+            raise ValueError(
+                f"checkpoint at step {restored.next_step} in {config.checkpoint.uri} was written with {key}="
+                f"{meta[key]!r}, but the TrainingJob has {want!r}; use a new spec.training.checkpoint.uri"
+            )
+    log.info("resuming from the checkpoint of step %d", restored.next_step)
+    return restored.state, restored.next_step, meta
+
+
+class _Loop:
+    """Phase 5, one method per concern."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        backend: Backend,
+        dataset: Any,
+        planner: Any,
+        reporter: Reporter,
+        result: RunResult,
+        on_step: StepHook | None,
+    ) -> None:
+        self.config, self.backend, self.dataset, self.planner = config, backend, dataset, planner
+        self.reporter, self.result, self.on_step = reporter, result, on_step
+        self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
+        self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
+        self.prefetchers: list[Any] = []
+
+    def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
+        from wanloom_trainer.data import PlanPrefetcher
+
+        plans = (self.planner.plan(s) for s in range(start, self.config.steps))
+        copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
+        depth = self.config.data.prefetch
+        self.prefetchers = [PlanPrefetcher(self.dataset, p, r, depth) for p, r in zip(copies, self.ranks, strict=True)]
+        try:
+            for prefetcher in self.prefetchers:
+                prefetcher.load_state_dict({"next_step": start, "dataset": meta.get("data", {}).get("dataset", {})})
+            for step_data in zip(*self.prefetchers, strict=True):
+                state = self.step(state, step_data)
+        finally:
+            for prefetcher in self.prefetchers:
+                prefetcher.close()
+        return state
+
+    def step(self, state: Any, step_data: tuple[Any, ...]) -> Any:
+        cfg = self.config
+        started = time.perf_counter()
+        plan = step_data[0].plan
+        slots = step_slots(step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting)
+        data_wait = time.perf_counter() - started
+        inputs = StepInputs(
+            step=plan.step,
+            slots=slots,
+            num_samples=plan.num_samples,
+            expert_samples=expert_samples(plan, cfg.model.num_experts),
+            learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps),
+        )
+        state, out = self.backend.train_step(state, inputs)
+        times = self.backend.gather_floats(time.perf_counter() - started)
+        record = step_log(
+            plan, out, config=cfg, step_time_s=max(times), data_wait_s=data_wait, num_devices=self.backend.num_devices
+        )
+        self.reporter.step(record, plan, times, self.backend.num_devices)
+        self.result.next_step = plan.step + 1
+        if self.backend.process_index == 0:
+            self.result.records.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+        if self._checkpoint_due(plan.step + 1):
+            self.save(state, plan.step + 1)
+        return state
+
+    def _checkpoint_due(self, next_step: int) -> bool:
+        ckpt = self.config.checkpoint
+        return ckpt.uri is not None and (next_step % ckpt.interval == 0 or next_step == self.config.steps)
+
+    def save(self, state: Any, next_step: int) -> None:
+        cfg = self.config
+        meta = {
+            "next_step": next_step,
+            "seed": cfg.seed,
+            "variant": cfg.model.variant,
+            "trainingjob": cfg.job_name,
+            "routing": {"mode": cfg.routing.mode, "boundary_ratio": cfg.routing.boundary_ratio},
+            # Plans, timesteps and noise are functions of (seed, step): the loader's position is next_step.
+            "data": self.prefetchers[0].state_dict() if self.prefetchers else {"next_step": next_step},
+        }
+        seconds = self.backend.save(state, next_step, meta)
+        self.reporter.checkpoint(next_step, seconds)
+        self.result.checkpoints.append(next_step)
+
+
+def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: Reporter) -> None:
+    """Draw the loss curve of the whole history, resumed parts included (process 0). The final checkpoint is
+    already written: the loop treats next_step == steps as due."""
+    if backend.process_index != 0 or reporter.log is None:
+        return
+    reporter.log.close()
+    records = read_log(reporter.log.path)
+    if records:
+        result.plot = plot_losses(records, Path(config.run_dir) / "loss.png", f"{config.job_name}: flow-matching loss")

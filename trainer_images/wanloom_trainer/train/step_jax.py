@@ -1,0 +1,128 @@
+"""The JAX step as pure jitted functions of (parameters, optimizer state, batch).
+
+One flow-matching loss (``flow_matching_loss``) serves training and evaluation. A step is three kinds of calls:
+
+- ``accumulate(params_e, grads_e, batch)``: forward + backward of one micro-batch slot through expert e, adding
+  its gradient to e's accumulator (donated). One compiled program per (rows, latent shape); the two experts share
+  it, since they have the same structure.
+- ``update(params_e, opt_e, grads_e, lr)``: optional global-norm clipping, AdamW moments, decoupled weight decay,
+  ``params -= lr · update``; donates everything it replaces. Called only for experts that received samples, so
+  an idle expert's parameters and moments are not touched at all.
+- ``evaluate(params_e, batch)``: the same loss without gradients.
+
+``batch`` is a dict of arrays (``BATCH_KEYS``): latents/noise [b, C, T', H', W'], text [b, L, D], timesteps [b]
+(float32), weights [b], and for image-to-video a ``condition`` [b, Cc, T', H', W'] appended to x_t's channels.
+Parameters are float32 masters whatever the compute dtype; the model casts its matmul inputs to
+``compute_dtype``; the loss is computed in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from wanloom_trainer.config.train_config import OptimizerConfig
+
+BATCH_KEYS = ("latents", "text", "noise", "timesteps", "weights")
+Batch = dict[str, jax.Array]
+FP32 = jnp.float32
+
+
+def flow_matching_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(Σ_i weights_i · loss_i, loss_i [b]) with loss_i the mean squared error to the velocity ε − x0.
+
+    x_t = (1 − σ)·x0 + σ·ε with σ = t / 1000; the model sees t itself (float32).
+    """
+    x0, noise = batch["latents"].astype(FP32), batch["noise"].astype(FP32)
+    t = batch["timesteps"].astype(FP32)
+    sigma = (t / 1000.0).reshape((-1,) + (1,) * (x0.ndim - 1))
+    x_t = (1.0 - sigma) * x0 + sigma * noise
+    if "condition" in batch:
+        x_t = jnp.concatenate([x_t, batch["condition"].astype(FP32)], axis=1)
+    prediction = model(x_t, t, batch["text"]).astype(FP32)
+    per_sample = jnp.mean(jnp.square(prediction - (noise - x0)), axis=tuple(range(1, x0.ndim)))
+    return jnp.sum(batch["weights"].astype(FP32) * per_sample), per_sample
+
+
+def moment_transform(opt: OptimizerConfig) -> optax.GradientTransformation:
+    """AdamW without its learning rate (applied by ``update`` so the schedule can follow the global step)."""
+    return optax.chain(
+        optax.scale_by_adam(b1=opt.betas[0], b2=opt.betas[1], eps=opt.eps),
+        optax.add_decayed_weights(opt.weight_decay),
+    )
+
+
+def clip_by_global_norm(grads: Any, max_norm: float | None) -> tuple[Any, jax.Array]:
+    """(clipped grads, the norm before clipping); ``max_norm`` None only measures."""
+    norm = optax.tree.norm(grads)
+    if max_norm is None:
+        return grads, norm
+    factor = jnp.where(norm > max_norm, max_norm / norm, 1.0)
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads), norm
+
+
+@dataclass(frozen=True)
+class StepFns:
+    """The compiled pieces of a step for one model structure (shared by both experts)."""
+
+    zeros: Callable[[Any], Any]
+    accumulate: Callable[[Any, Any, Batch], tuple[Any, jax.Array]]
+    update: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, jax.Array]]
+    evaluate: Callable[[Any, Batch], jax.Array]
+
+
+def make_step_fns(
+    graphdef: nnx.GraphDef,
+    opt: OptimizerConfig,
+    *,
+    param_shardings: Any = None,
+    opt_shardings: Any = None,
+    replicated: jax.sharding.Sharding | None = None,
+) -> StepFns:
+    """Jit the step's pieces. ``param_shardings`` / ``opt_shardings``: pytrees of shardings mirroring the
+    parameters (FSDP; gradients use the parameters') and the optimizer state; None lets XLA propagate."""
+    tx = moment_transform(opt)
+
+    def loss_of(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return flow_matching_loss(nnx.merge(graphdef, params), batch)
+
+    def accumulate(params: Any, grads: Any, batch: Batch) -> tuple[Any, jax.Array]:
+        (loss_sum, _), g = jax.value_and_grad(loss_of, has_aux=True)(params, batch)
+        return jax.tree.map(jnp.add, grads, g), loss_sum
+
+    def update(params: Any, opt_state: Any, grads: Any, lr: jax.Array) -> tuple[Any, Any, jax.Array]:
+        grads, norm = clip_by_global_norm(grads, opt.clip_grad_norm)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        return params, opt_state, norm
+
+    def zeros(params: Any) -> Any:
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def evaluate(params: Any, batch: Batch) -> jax.Array:
+        return loss_of(params, batch)[0]
+
+    sharded = param_shardings is not None
+    return StepFns(
+        zeros=jax.jit(zeros, out_shardings=param_shardings),
+        accumulate=jax.jit(
+            accumulate, donate_argnums=(1,), out_shardings=(param_shardings, replicated) if sharded else None
+        ),
+        update=jax.jit(
+            update,
+            donate_argnums=(0, 1),
+            out_shardings=(param_shardings, opt_shardings, replicated) if sharded else None,
+        ),
+        evaluate=jax.jit(evaluate),
+    )
+
+
+def init_optimizer(opt: OptimizerConfig, params: Any) -> Any:
+    """Fresh AdamW moments (float32 like the master parameters), placed like the parameters by propagation."""
+    return jax.jit(moment_transform(opt).init)(params)
