@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install services demo test lint format generate
+.PHONY: install services demo test test-exhaustive lint format generate
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ services:
 
 test: $(STAMP) services
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The kernels' full D x N x B x modulation x dtype grid in the interpreters: too slow for every CI run.
+test-exhaustive: $(STAMP)
+	$(PY) -m pytest -n 2 --dist load -m exhaustive tests/trainer/kernels
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

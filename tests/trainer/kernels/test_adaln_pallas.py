@@ -28,7 +28,7 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 # Every call compiles the interpreted kernels (~1 s), so the default run is a covering subset of the grid
 # (each D with both modulations, both dtypes, B in {1, 3}, N in {1, 17, 4096}, D = 64/96 not a multiple of 128);
-# the full grid is marked slow.
+# the full grid is marked exhaustive (deselected by default; `make test-exhaustive` runs it).
 GRID = list(itertools.product((64, 96, 3072, 5120), (1, 17, 4096), (1, 3), ("sample", "token"), ("f32", "bf16")))
 DEFAULT = [
     (64, 1, 3, "sample", "f32"),
@@ -63,7 +63,7 @@ def _run(fn, x, scale, shift, dy):
 
 
 def _case_param(case: tuple) -> object:
-    return pytest.param(*case, id="-".join(map(str, case)), marks=[] if case in DEFAULT else [pytest.mark.slow])
+    return pytest.param(*case, id="-".join(map(str, case)), marks=[] if case in DEFAULT else [pytest.mark.exhaustive])
 
 
 @pytest.mark.parametrize(("d", "n", "b", "mod", "dtype"), [_case_param(c) for c in GRID])

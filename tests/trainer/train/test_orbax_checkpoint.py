@@ -76,7 +76,8 @@ def gcs_bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         port = s.getsockname()[1]
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket="wanloom-ckpt")
     server.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")  # gcsfs (orbax's paths)
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://127.0.0.1:{port}")  # tensorstore (the arrays)
     yield "gs://wanloom-ckpt/run"
     server.stop()
 

@@ -17,7 +17,7 @@ JOBS = ROOT / "jobs"
 def test_tiny_local_resolves_degrees_paths_routing_and_attention(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     config = from_trainingjob(load_trainingjob_file(JOBS / "tiny-local.yaml"), {})
-    assert (config.backend, config.accelerator, config.accelerator_type) == ("jax", "cpu", None)
+    assert (config.backend, config.accelerator, config.accelerator_type) == ("jax", "cpu", "cpu")
     assert config.parallel.shape == (1, 1, 1, 1) and config.parallel.batch_ranks == 1
     assert config.model.attention == "xla" and config.model.num_experts == 2
     assert config.routing.boundary_ratio == 0.875  # the tiny variant's default, from the API

@@ -157,6 +157,8 @@ class DistributedConfig:
     hosts_per_slice: int
     host_index: int
     devices_per_host: int | None
+    # torchrun's LOCAL_RANK: several trainer processes share a GPU pod (and its metrics port); 0 elsewhere.
+    local_rank: int = 0
 
     @property
     def num_processes(self) -> int:
@@ -252,6 +254,8 @@ def _accelerator_type(spec: TrainingJobSpec) -> str | None:
         return "tpu7x-tensorcore"  # one JAX device per TensorCore: MFU counts devices, so per-device peak
     if res.gpu is not None and res.gpu.type != "other":
         return res.gpu.type
+    if res.cpu is not None:
+        return "cpu"  # nominal per-core peak (flops.ACCELERATORS): local runs report a stated, honest MFU
     return None
 
 
@@ -364,6 +368,7 @@ def _distributed(env: Mapping[str, str]) -> DistributedConfig:
         hosts_per_slice=hosts,
         host_index=host_index,
         devices_per_host=None if not devices else _env_int(env, keys.ENV_DEVICES_PER_HOST, 1, minimum=1),
+        local_rank=_env_int(env, "LOCAL_RANK", 0, minimum=0),
     )
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Diffusers layout of a two-expert checkpoint, indexed by routing's expert id (0 high-noise, 1 low-noise);
+# single-model variants use the first folder only.
+EXPERT_SUBFOLDERS: tuple[str, str] = ("transformer", "transformer_2")
+
 
 @dataclass(frozen=True)
 class WanVariant:

@@ -25,7 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from wanloom_operator.api.metrics import EXPERT_LABELS, TRAINER_METRICS, MetricDef
+from wanloom_operator.api.metrics import EXPERT_LABELS, SKIP_REASONS, TRAINER_METRICS, MetricDef
 from wanloom_trainer import flops
 from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation, straggler_overhead
 from wanloom_trainer.metrics.collectors import build_collectors
@@ -83,6 +83,9 @@ class TrainerMetrics:
         self._m = build_collectors((m for m in TRAINER_METRICS if _exported_here(m, rank)), self.registry)
         self._server: tuple[WSGIServer, Thread] | None = None
         self._unknown_accelerators: set[str] = set()
+        # Series at 0 from the start, so rate() and increase() see the first skip instead of a new series.
+        for reason in SKIP_REASONS:
+            self._metric("wanloom_skipped_samples_total").labels(trainingjob, reason)
 
     # -- serving --------------------------------------------------------------------------------------------------
 

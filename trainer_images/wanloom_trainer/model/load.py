@@ -27,11 +27,13 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from wanloom_operator.api.metrics import EXPERT_LABELS
+from wanloom_trainer.config import variants
 from wanloom_trainer.config.variants import VARIANTS, WanVariant
 from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
 from wanloom_trainer.model.wan_nnx import WanTransformer3DModel, abstract_model
 
-EXPERT_SUBFOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+EXPERT_SUBFOLDERS = dict(zip(EXPERT_LABELS, variants.EXPERT_SUBFOLDERS, strict=True))
 # Keys diffusers itself ignores when loading a Wan transformer.
 IGNORED_KEY_PARTS = ("norm_added_q",)
 _DTYPES = {

@@ -22,10 +22,11 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
-from wanloom_trainer.config.variants import WanVariant
+from wanloom_operator.api.metrics import EXPERT_LABELS
+from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS, WanVariant
 
 # Expert index (``wanloom_trainer.routing.HIGH_NOISE`` = 0, ``LOW_NOISE`` = 1) -> (name, diffusers subfolder).
-EXPERTS: tuple[tuple[str, str], ...] = (("high_noise", "transformer"), ("low_noise", "transformer_2"))
+EXPERTS: tuple[tuple[str, str], ...] = tuple(zip(EXPERT_LABELS, EXPERT_SUBFOLDERS, strict=True))
 ADALN_IMPLS = ("reference", "fused")
 
 

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS
 from wanloom_trainer.distributed import initialize_jax
 from wanloom_trainer.parallel.context_attention import context_parallel_attention
 from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh
@@ -34,7 +35,6 @@ from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transf
 # TrainingJob remat names → the model's jax.checkpoint policies (model.wan_nnx.REMAT_POLICIES).
 REMAT = {"none": "none", "full": "full", "save-matmuls": "dots", "save-attention": "save_attn"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-EXPERT_FOLDERS = ("transformer", "transformer_2")  # diffusers layout: high-noise, low-noise
 log = logging.getLogger(__name__)
 
 
@@ -176,7 +176,7 @@ class JaxBackend:
                 f"spec.model.weights={weights!r}: the JAX loader reads a local or mounted path; copy the diffusers "
                 "checkpoint to a volume (e.g. a GCS FUSE mount) and point weights at it"
             )
-        folder = Path(weights) / EXPERT_FOLDERS[expert]
+        folder = Path(weights) / EXPERT_SUBFOLDERS[expert]
         return load_diffusers_transformer(folder, self.config.model.wan, shardings=rule, **self._model_kwargs())
 
     # -- Backend protocol ------------------------------------------------------------------------------------------

@@ -57,12 +57,14 @@ def step_log(
 
 
 class Reporter:
-    """Owns the exporter (every process), the step log and the progress bar (process 0)."""
+    """Feeds the exporter (every process; owned by the caller) and owns the step log and progress bar
+    (process 0)."""
 
-    def __init__(self, config: TrainConfig, *, process_index: int, start_step: int, progress: bool) -> None:
-        self.config, self.process_index = config, process_index
+    def __init__(
+        self, config: TrainConfig, *, metrics: Any, process_index: int, start_step: int, progress: bool
+    ) -> None:
+        self.config, self.process_index, self.metrics = config, process_index, metrics
         self.primary = process_index == 0
-        self.metrics = _start_exporter(config, process_index)
         self.log = LossLog(config.run_dir, start_step) if self.primary else None
         self.bar = None
         if self.primary and progress:
@@ -73,9 +75,8 @@ class Reporter:
             )
 
     def step(self, record: StepLog, plan: Any, process_times: list[float], num_devices: int) -> None:
-        if self.metrics is not None:
-            self.metrics.record_data_wait(record.data_wait_s)
-            self.metrics.record_step(self._prometheus_record(record, plan, process_times, num_devices))
+        self.metrics.record_data_wait(record.data_wait_s)
+        self.metrics.record_step(self._prometheus_record(record, plan, process_times, num_devices))
         if self.log is not None:
             self.log.append(record)
         if self.bar is not None:
@@ -85,26 +86,19 @@ class Reporter:
             log.info("step %d/%d %s", record.step + 1, self.config.steps, progress_text(record))
 
     def checkpoint(self, next_step: int, seconds: float) -> None:
-        if self.metrics is not None:
-            self.metrics.record_checkpoint(next_step, seconds, time.time())
-
-    def skipped(self, reason: str, n: int = 1) -> None:
-        if self.metrics is not None:
-            self.metrics.record_skipped(reason, n)
+        self.metrics.record_checkpoint(next_step, seconds, time.time())
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.log is not None:
             self.log.close()
-        if self.metrics is not None:
-            self.metrics.close()
 
     def _prometheus_record(self, record: StepLog, plan: Any, process_times: list[float], num_devices: int) -> Any:
         from wanloom_trainer.metrics import StepRecord
 
         return StepRecord(
-            step=record.step,
+            step=record.step + 1,  # completed steps, like the checkpoint step: the progress panel reaches 100%
             total_steps=self.config.steps,
             step_time_s=record.step_time_s,
             rank_step_times_s=process_times if self.primary else None,
@@ -129,11 +123,17 @@ def progress_text(record: StepLog) -> str:
     )
 
 
-def _start_exporter(config: TrainConfig, process_index: int) -> Any:
+def start_exporter(config: TrainConfig, process_index: int) -> Any:
+    """This process's ``metrics.TrainerMetrics``, serving on ``config.metrics_port`` (0: not served).
+
+    Only the first process of a pod serves: torchrun starts one process per GPU and they share the pod's port. On
+    pod 0 that process is global rank 0, which exports every cross-rank gauge; the other local processes'
+    step-time histograms stay unexported (their times still reach rank 0's load-imbalance CV).
+    """
     from wanloom_trainer.metrics import TrainerMetrics
 
     metrics = TrainerMetrics(config.job_name, process_index)
-    if config.metrics_port:
+    if config.metrics_port and config.distributed.local_rank == 0:
         try:
             metrics.serve(config.metrics_port)
         except OSError as exc:

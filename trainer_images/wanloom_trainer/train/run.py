@@ -27,7 +27,7 @@ from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
 from wanloom_trainer.train.inputs import expert_samples, make_planner, step_slots
 from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
-from wanloom_trainer.train.reporting import Reporter, step_log
+from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,15 @@ def run(
     backend = backend if backend is not None else make_backend(config)  # 1. backend
     with ExitStack() as stack:
         stack.callback(backend.close)
-        dataset = open_data(config, backend)  # 2. data
+        metrics = start_exporter(config, backend.process_index)  # first: the loader reports skipped samples
+        stack.callback(metrics.close)
+        dataset = open_data(config, backend, on_skip=metrics.record_skipped)  # 2. data
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
         state, start, meta = initial_state(config, backend)  # 4. state
-        reporter = Reporter(config, process_index=backend.process_index, start_step=start, progress=progress)
+        reporter = Reporter(
+            config, metrics=metrics, process_index=backend.process_index, start_step=start, progress=progress
+        )
         stack.callback(reporter.close)
         result = RunResult(start_step=start, next_step=start)
         loop = _Loop(config, backend, dataset, planner, reporter, result, on_step)
@@ -74,14 +78,17 @@ def run(
     return result
 
 
-def open_data(config: TrainConfig, backend: Backend) -> Any:
-    """Process 0 generates the synthetic dataset if asked; every process then opens it."""
+def open_data(config: TrainConfig, backend: Backend, on_skip: Callable[[str, int], Any] | None = None) -> Any:
+    """Process 0 generates the synthetic dataset if asked; every process then opens it. ``on_skip(reason, n)``
+    hears of every bad sample the loader skips."""
     from wanloom_trainer.data import ensure_synthetic, open_dataset
 
     if backend.process_index == 0:
         ensure_synthetic(config.data, config.model.wan, progress=False)
     backend.gather_floats(0.0)  # a barrier: nobody opens the index before process 0 has written it
-    return open_dataset(config.data.uri, config.data.index, max_bad_samples=config.data.max_bad_samples)
+    return open_dataset(
+        config.data.uri, config.data.index, max_bad_samples=config.data.max_bad_samples, on_skip=on_skip
+    )
 
 
 def initial_state(config: TrainConfig, backend: Backend) -> tuple[Any, int, dict[str, Any]]:
