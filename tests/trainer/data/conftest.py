@@ -10,7 +10,6 @@ import http.client
 import os
 import socket
 import threading
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,33 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BUCKET = "wanloom-test"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "upgrade"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def gcs_server() -> Iterator[str]:
-    """An in-memory gcp-storage-emulator for the whole session; yields its http://127.0.0.1:PORT address."""
-    from gcp_storage_emulator.server import create_server
-
-    port = _free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def gcs(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh gs:// prefix on the emulator, with STORAGE_EMULATOR_HOST pointing at it for this test."""
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    return f"gs://{BUCKET}/{uuid.uuid4().hex[:12]}"
 
 
 class FlakyProxy:

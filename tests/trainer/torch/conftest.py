@@ -146,25 +146,3 @@ def read_losses(out: Path, rank: int = 0) -> list[dict]:
 @pytest.fixture
 def losses_of():
     return read_losses
-
-
-@pytest.fixture(scope="session")
-def gcs_server():
-    """An in-memory gcp-storage-emulator (bucket ``wanloom-ckpt``) for the session; yields http://127.0.0.1:PORT."""
-    from gcp_storage_emulator.server import create_server
-
-    port = _free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="wanloom-ckpt")
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def gcs(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh gs:// prefix on the emulator, with the client pointed at it for this test."""
-    import uuid
-
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "wanloom-test")
-    return f"gs://wanloom-ckpt/{uuid.uuid4().hex[:12]}/checkpoints"

@@ -96,7 +96,7 @@ def test_bad_settings_are_named(make_config) -> None:
 
 
 def test_weights_are_staged_from_gcs_on_rank_zero_and_loaded(make_config, gcs, tmp_path) -> None:
-    from wanloom_trainer.checkpoint.dcp_checkpoint import GcsLocation, upload_dir
+    from wanloom_trainer.checkpoint.gcs import GcsLocation, upload_dir
     from wanloom_trainer.model.wan_torch import build_expert
 
     config = make_config()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,22 +64,6 @@ def test_flattened_names_are_readable_paths() -> None:
     assert "params.0.blocks.0.w" in flat and "opt.0.1.mu" in flat
 
 
-@pytest.fixture
-def gcs_bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    pytest.importorskip("gcsfs")
-    from gcp_storage_emulator.server import create_server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="wanloom-ckpt")
-    server.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")  # gcsfs (orbax's paths)
-    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://127.0.0.1:{port}")  # tensorstore (the arrays)
-    yield "gs://wanloom-ckpt/run"
-    server.stop()
-
-
 @pytest.mark.e2e
-def test_gs_uris_work_against_the_gcs_emulator(gcs_bucket: str) -> None:
-    roundtrip(gcs_bucket)
+def test_gs_uris_work_against_the_gcs_emulator(gcs: str) -> None:
+    roundtrip(f"{gcs}/run")

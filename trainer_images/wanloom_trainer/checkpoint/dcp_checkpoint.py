@@ -22,7 +22,6 @@ import json
 import re
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of, download_prefix, upload_dir
 
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -54,52 +55,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-@dataclass(frozen=True)
-class GcsLocation:
-    """``gs://bucket/prefix`` split into its parts (prefix without trailing slash, possibly empty)."""
-
-    bucket: str
-    prefix: str
-
-    @classmethod
-    def parse(cls, uri: str) -> GcsLocation:
-        bucket, _, prefix = uri.removeprefix("gs://").partition("/")
-        if not bucket:
-            raise ValueError(f"checkpoint uri {uri!r} has no bucket; expected gs://bucket/prefix")
-        return cls(bucket, prefix.strip("/"))
-
-    def key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-
-def _bucket(location: GcsLocation) -> Any:
-    from google.cloud import storage  # lazy: only gs:// checkpoints need it
-
-    return storage.Client().bucket(location.bucket)
-
-
-def upload_dir(local: Path, location: GcsLocation, *parts: str) -> None:
-    """Upload every file under ``local`` to ``gs://bucket/prefix/<parts>/<relative path>``."""
-    bucket = _bucket(location)
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        bucket.blob(location.key(*parts, path.relative_to(local).as_posix())).upload_from_filename(str(path))
-
-
-def download_prefix(location: GcsLocation, local: Path, *parts: str) -> int:
-    """Download every object under ``gs://bucket/prefix/<parts>/`` into ``local``; returns the object count."""
-    bucket, root = _bucket(location), location.key(*parts) + "/"
-    count = 0
-    for blob in bucket.client.list_blobs(location.bucket, prefix=root):
-        target = local / blob.name[len(root) :]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        blob.download_to_filename(str(target))
-        count += 1
-    return count
-
-
 def _gcs_committed_steps(location: GcsLocation) -> list[int]:
     steps = set()
-    for blob in _bucket(location).client.list_blobs(location.bucket, prefix=location.key("step_")):
+    for blob in bucket_of(location).client.list_blobs(location.bucket, prefix=location.key("step_")):
         parts = blob.name[len(location.key()) :].strip("/").split("/")
         if len(parts) == 2 and parts[1] == META_FILE and (m := _STEP_DIR.match(parts[0])):
             steps.add(int(m.group(1)))
@@ -178,14 +136,14 @@ class CheckpointStore:
         shutil.rmtree(local, ignore_errors=True)
         _barrier()
         if _rank() == 0:
-            _bucket(self.gcs).blob(self.gcs.key(name, META_FILE)).upload_from_string(record)
+            bucket_of(self.gcs).blob(self.gcs.key(name, META_FILE)).upload_from_string(record)
 
     def _prune(self) -> None:
         if _rank() != 0:
             return
         for step in self.committed_steps()[: -self.keep]:
             if self.gcs is not None:
-                bucket = _bucket(self.gcs)
+                bucket = bucket_of(self.gcs)
                 prefix = self.gcs.key(step_dir_name(step)) + "/"
                 for blob in list(bucket.client.list_blobs(self.gcs.bucket, prefix=prefix)):
                     blob.delete()

@@ -172,10 +172,11 @@ class JaxBackend:
 
         weights = self.config.model.weights
         if weights.startswith("gs://"):
-            raise ValueError(
-                f"spec.model.weights={weights!r}: the JAX loader reads a local or mounted path; copy the diffusers "
-                "checkpoint to a volume (e.g. a GCS FUSE mount) and point weights at it"
-            )
+            from wanloom_trainer.checkpoint.gcs import stage_weights
+
+            # Every host reads the slices of its own devices, so each stages the files on its local disk.
+            subfolders = EXPERT_SUBFOLDERS[: self.config.model.num_experts]
+            weights = str(stage_weights(weights, Path(self.config.run_dir) / "weights", subfolders))
         folder = Path(weights) / EXPERT_SUBFOLDERS[expert]
         return load_diffusers_transformer(folder, self.config.model.wan, shardings=rule, **self._model_kwargs())
 

@@ -13,9 +13,7 @@ the sharded ``.grad`` and are summed over ranks, then every expert with samples 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -31,6 +29,7 @@ from diffusers import WanTransformer3DModel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from wanloom_trainer.checkpoint.gcs import stage_weights
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.model.wan_torch import (
     apply_adaln_impl,
@@ -105,26 +104,11 @@ class TorchBackend:
         if weights is None:
             return build_expert(variant, seed=expert_seed(self.config.seed, expert)).state_dict()
         if weights.startswith("gs://"):
-            weights = str(self._stage_weights(weights))
+            # Rank 0 alone reads full weights (it broadcasts them into the FSDP shards).
+            local_root = Path(self.config.run_dir) / "weights"
+            weights = str(stage_weights(weights, local_root, expert_subfolders(self.config.model.wan)))
         folder = Path(weights) / expert_subfolders(self.config.model.wan)[expert]
         return load_expert(folder, variant).state_dict()
-
-    def _stage_weights(self, uri: str) -> Path:
-        """Download the experts' folders of a gs:// pipeline root once (rank 0), into a folder named by the URI;
-        each folder is renamed into place only when complete, so an interrupted download is retried."""
-        from wanloom_trainer.checkpoint.dcp_checkpoint import GcsLocation, download_prefix
-
-        local = Path(self.config.run_dir) / "weights" / hashlib.sha256(uri.encode()).hexdigest()[:16]
-        location = GcsLocation.parse(uri)
-        for folder in expert_subfolders(self.config.model.wan):
-            if (local / folder).is_dir():
-                continue
-            partial = local / f".{folder}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            if download_prefix(location, partial, folder) == 0:
-                raise FileNotFoundError(f"spec.model.weights: nothing under {uri}/{folder}/")
-            partial.rename(local / folder)
-        return local
 
     def _build_expert(self, expert: int) -> nn.Module:
         variant = self.config.model.wan

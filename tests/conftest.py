@@ -1,0 +1,38 @@
+"""Fixtures shared across the suite: a real GCS emulator (gcp-storage-emulator) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+GCS_BUCKET = "wanloom-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[str]:
+    """An in-memory gcp-storage-emulator for the whole session; yields its http://127.0.0.1:PORT address."""
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=GCS_BUCKET)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def gcs(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh gs:// prefix on the emulator; google-cloud-storage, gcsfs and tensorstore all point at it."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", gcs_server)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "wanloom-test")
+    return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:12]}"
