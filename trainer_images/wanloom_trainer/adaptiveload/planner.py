@@ -218,3 +218,21 @@ def plan_step(
 ) -> StepPlan:
     """One-shot planning of ``step``; a trainer keeps a :class:`Planner` instead to reuse its tables and caches."""
     return Planner(index, variant, config, cost_model, router, buckets).plan(step)
+
+
+def planner_from_config(config: Any, sample_shapes: Any, cost: CostModel, *, policy: str, layout: str) -> Planner:
+    """The planner a run's ``config.TrainConfig`` describes, with ``policy`` and ``layout`` chosen by the caller
+    (the trainer: the spec's scheduler; ``wanloom plan``: each policy in turn)."""
+    al = config.adaptive_load
+    plan_config = PlanConfig(
+        num_ranks=config.parallel.batch_ranks,
+        policy=policy,
+        layout=layout,
+        global_batch=config.global_batch,
+        memory_budget_tokens=al.memory_budget_tokens,
+        compute_budget=al.compute_budget,
+        exponent=al.exponent,
+        seed=config.seed,
+    )
+    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
+    return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)

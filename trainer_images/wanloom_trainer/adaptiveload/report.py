@@ -18,28 +18,15 @@ import numpy as np
 from wanloom_trainer.adaptiveload.batch_size import equal_token_batch_sizes, paper_batch_sizes
 from wanloom_trainer.adaptiveload.cost_model import CostModel
 from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
-from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
+from wanloom_trainer.adaptiveload.planner import Planner, planner_from_config
 from wanloom_trainer.adaptiveload.simulate import SimResult, simulate
 
 PLAN_STEPS = 32
 
 
 def _planner(config: Any, shapes: Any, cost: CostModel, policy: str) -> Planner:
-    from wanloom_trainer.adaptiveload.buckets import BucketTable
-
-    al = config.adaptive_load
-    plan_config = PlanConfig(
-        num_ranks=config.parallel.batch_ranks,
-        policy=policy,
-        layout="spmd" if config.backend == "jax" else "per-rank",
-        global_batch=config.global_batch,
-        memory_budget_tokens=al.memory_budget_tokens,
-        compute_budget=al.compute_budget,
-        exponent=al.exponent,
-        seed=config.seed,
-    )
-    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
-    return Planner(shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)
+    layout = "spmd" if config.backend == "jax" else "per-rank"
+    return planner_from_config(config, shapes, cost, policy=policy, layout=layout)
 
 
 def bucket_table(planner: Planner) -> str:

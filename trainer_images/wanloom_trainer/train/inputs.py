@@ -21,24 +21,13 @@ from wanloom_trainer.train.objective import batch_noise
 def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any:
     """The AdaptiveLoad planner of this run (``layout``: "spmd" for JAX, "per-rank" for PyTorch); the cost model
     comes from ``adaptiveload.cost_source`` (a stored shape benchmark, else the analytic FLOP model)."""
-    from wanloom_trainer.adaptiveload.buckets import BucketTable
     from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
-    from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
+    from wanloom_trainer.adaptiveload.planner import planner_from_config
 
     al = config.adaptive_load
-    plan_config = PlanConfig(
-        num_ranks=config.parallel.batch_ranks,
-        policy=al.scheduler if al.enabled else "equal-tokens",
-        layout=layout,
-        global_batch=config.global_batch,
-        memory_budget_tokens=al.memory_budget_tokens,
-        compute_budget=al.compute_budget,
-        exponent=al.exponent,
-        seed=config.seed,
-    )
-    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
     cost = resolve_cost_model(config, sample_shapes=sample_shapes).model
-    return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)
+    policy = al.scheduler if al.enabled else "equal-tokens"
+    return planner_from_config(config, sample_shapes, cost, policy=policy, layout=layout)
 
 
 def rank_rows(loaded: Any, *, seed: int, step: int, loss_weighting: str) -> RankRows:
