@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.data.format import FORMAT_NAME, FORMAT_VERSION, MEMBERS, STORAGE_DTYPES
 
 INDEX_NAME = "index.json"
@@ -48,6 +49,20 @@ class DatasetHeader:
         for name in ("latent_channels", "text_dim", "text_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"dataset {name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def for_variant(cls, variant: WanVariant, *, dtype: str, source: str, build: dict[str, Any]) -> DatasetHeader:
+        """The header of a dataset whose tensors have ``variant``'s latent, condition and text shapes."""
+        return cls(
+            variant=variant.name,
+            latent_channels=variant.out_channels,
+            condition_channels=variant.condition_channels,
+            text_dim=variant.text_dim,
+            text_len=variant.text_len,
+            dtype=dtype,
+            source=source,
+            build=build,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -107,12 +107,8 @@ def _digest(items: list[MediaItem]) -> str:
 
 
 def _header(config: PrepareConfig, variant: WanVariant, items: list[MediaItem]) -> DatasetHeader:
-    return DatasetHeader(
-        variant=variant.name,
-        latent_channels=variant.out_channels,
-        condition_channels=variant.condition_channels,
-        text_dim=variant.text_dim,
-        text_len=variant.text_len,
+    return DatasetHeader.for_variant(
+        variant,
         dtype=config.dtype,
         source="prepare",
         build={

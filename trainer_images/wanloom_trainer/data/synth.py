@@ -186,16 +186,8 @@ def i2v_condition(latents: np.ndarray, condition_channels: int) -> np.ndarray | 
 def synthetic_header(
     variant: WanVariant, samples: int, seed: int, mixture: tuple[ShapeMix, ...], dtype: str
 ) -> DatasetHeader:
-    return DatasetHeader(
-        variant=variant.name,
-        latent_channels=variant.out_channels,
-        condition_channels=variant.condition_channels,
-        text_dim=variant.text_dim,
-        text_len=variant.text_len,
-        dtype=dtype,
-        source="synthetic",
-        build={"samples": samples, "seed": seed, "mixture": [str(m) for m in mixture]},
-    )
+    build = {"samples": samples, "seed": seed, "mixture": [str(m) for m in mixture]}
+    return DatasetHeader.for_variant(variant, dtype=dtype, source="synthetic", build=build)
 
 
 def default_samples_per_shard(variant: WanVariant, mixture: tuple[ShapeMix, ...], dtype: str) -> int:
