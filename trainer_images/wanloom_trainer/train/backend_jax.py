@@ -193,16 +193,22 @@ class JaxBackend:
         init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
         return JaxState(params=params, opt=tuple(init_opt(p) for p in params))
 
-    def train_step(self, state: JaxState, inputs: StepInputs) -> tuple[JaxState, StepOutputs]:
+    def accumulate_gradients(self, state: JaxState, slots: Sequence[Slot]) -> tuple[list[Any], list[float]]:
+        """Per expert: the gradient summed over its slots (None for an expert without a slot) and Σ weights·loss."""
         experts = range(len(state.params))
         grads: list[Any] = [None for _ in experts]
         loss_sums: list[list[jax.Array]] = [[] for _ in experts]
-        for slot in inputs.slots:
+        for slot in slots:
             e = slot.expert
             if grads[e] is None:
                 grads[e] = self._fns.zeros(state.params[e])
             grads[e], loss = self._fns.accumulate(state.params[e], grads[e], self._device_batch(slot))
             loss_sums[e].append(loss)
+        return grads, [float(sum(float(x) for x in sums)) for sums in loss_sums]
+
+    def train_step(self, state: JaxState, inputs: StepInputs) -> tuple[JaxState, StepOutputs]:
+        experts = range(len(state.params))
+        grads, loss_sums = self.accumulate_gradients(state, inputs.slots)
         params, opt, norms = list(state.params), list(state.opt), [None for _ in experts]
         for e in experts:
             if inputs.expert_samples[e] == 0:
@@ -215,7 +221,7 @@ class JaxBackend:
             tuple(
                 ExpertOutputs(
                     samples=inputs.expert_samples[e],
-                    loss_sum=float(sum(float(x) for x in loss_sums[e])),
+                    loss_sum=loss_sums[e],
                     grad_norm=None if norms[e] is None else float(norms[e]),
                     learning_rate=inputs.learning_rates[e],
                 )
