@@ -82,6 +82,55 @@ def test_gradients_come_back_in_input_dtypes(x_dtype, scale_dtype, shift_dtype) 
         assert _close(g, w, x_dtype) <= 2e-2
 
 
+# Packed rows: row 0 holds four segments (one of a single token), row 1 skips segment 1 (empty) and ends in padding.
+SEGMENTS = [[0] * 5 + [1] * 10 + [2] + [3] * 13, [0] * 3 + [2] * 20 + [3] * 6]
+
+
+def _packed(d: int, x_dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(1)
+    b, n, s = len(SEGMENTS), len(SEGMENTS[0]), 4
+    x = (2 * torch.randn(b, n, d, generator=gen) + 0.5).to(x_dtype)
+    scale, shift = 0.3 * torch.randn(b, s, d, generator=gen), torch.randn(b, s, d, generator=gen)
+    dy = torch.randn(b, n, d, generator=gen).to(x_dtype)
+    ids = torch.tensor(SEGMENTS, dtype=torch.int32)
+    return [t.to(DEVICE) for t in (x, scale, shift, dy, ids)]
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(96, "f32"), (1536, "f32"), (3072, "bf16")])
+@pytest.mark.parametrize("programs", [1, 3, 58])
+def test_packed_segments_match_reference(d: int, dtype: str, programs: int) -> None:
+    """Per-segment modulation and per-segment d_scale/d_shift (an empty segment gets zeros) for any row split:
+    1 range spans both rows, 3 split segments mid-way, 58 = one row each."""
+    x_dtype = DTYPES[dtype]
+    x, scale, shift, dy, ids = _packed(d, x_dtype)
+    want = _run(lambda *a: adaln_reference_torch(*a, segment_ids=ids), x, scale, shift, dy)
+    y, mean, rstd = adaln_forward(x, scale, shift, segment_ids=ids)
+    got = [y, *adaln_backward(dy, x, scale, mean, rstd, num_programs=programs, segment_ids=ids)]
+    for name, g, w in zip(("y", "dx", "d_scale", "d_shift"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert _close(g, w, x_dtype) <= TOL[x_dtype], f"{name}: error {_close(g, w, x_dtype):.2e}"
+    assert torch.count_nonzero(got[2][1, 1]) == 0 and torch.count_nonzero(got[3][1, 1]) == 0  # the empty segment
+
+
+def test_one_segment_per_row_equals_per_sample_modulation() -> None:
+    x, scale, shift, dy = _inputs(3, 17, 96, "sample", torch.float32)
+    ids = torch.zeros(3, 17, dtype=torch.int32, device=DEVICE)
+    packed = _run(lambda x, s, h: adaln_triton(x, s[:, None], h[:, None], 1e-6, ids), x, scale, shift, dy)
+    plain = _run(adaln_triton, x, scale, shift, dy)
+    for a, b in zip(packed, plain, strict=True):
+        torch.testing.assert_close(a.reshape(b.shape), b, rtol=0, atol=1e-6)
+
+
+def test_segment_ids_with_wrong_shape_or_dtype_raise() -> None:
+    x, scale, shift, _, ids = _packed(64, torch.float32)
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, N\] = \[2, 29\]"):
+        adaln_triton(x, scale, shift, 1e-6, ids[:, :5])
+    with pytest.raises(ValueError, match="segment_ids must be int32 or int64, got float32"):
+        adaln_triton(x, scale, shift, 1e-6, ids.float())
+    with pytest.raises(ValueError, match=r"per segment \[2, S, 64\]"):
+        adaln_triton(x, scale[:, 0], shift[:, 0], 1e-6, ids)
+
+
 @pytest.mark.parametrize("programs", [1, 2, 5, 16, 51])
 def test_segmented_reduction_for_any_grid(programs: int) -> None:
     """1 program spans all samples; 51 = one row each; 2 and 5 split samples mid-sequence."""

@@ -7,6 +7,10 @@ Contract:
 - ``x``: ``[B, N, D]`` in float32, bfloat16 or float16.
 - ``scale`` and ``shift``: the same shape, either per sample ``[B, D]`` / ``[B, 1, D]`` (broadcast over the
   sequence, Wan 14B) or per token ``[B, N, D]`` (Wan 2.2 TI2V-5B); each in float32 or in x's dtype.
+- Packed sequences (docs/architecture.md, "Packed sequences"): ``segment_ids`` ``[B, N]`` int32 with values in
+  ``[0, S)``, non-decreasing along N, and per-segment ``scale``/``shift`` ``[B, S, D]``. Row ``(b, n)`` is modulated
+  by ``scale[b, segment_ids[b, n]]``. Launchers check shapes and dtypes only (a value check would synchronise the
+  device on every call); whoever builds the ids checks their values once with ``check_segment_ids``.
 - ``y`` has x's dtype; gradients come back in the dtype and shape of the input they belong to.
 """
 
@@ -25,6 +29,7 @@ class AdaLNLayout:
     tokens: int
     dim: int
     per_token: bool
+    segments: int = 1  # S: modulation rows per sample (1 per sample; packed rows hold S segments)
 
 
 def dtype_name(dtype: object) -> str:
@@ -33,8 +38,13 @@ def dtype_name(dtype: object) -> str:
     return name.removeprefix("torch.")
 
 
-def adaln_layout(x_shape: tuple[int, ...], scale_shape: tuple[int, ...], shift_shape: tuple[int, ...]) -> AdaLNLayout:
-    """Check shapes and classify the modulation.
+def adaln_layout(
+    x_shape: tuple[int, ...],
+    scale_shape: tuple[int, ...],
+    shift_shape: tuple[int, ...],
+    segment_shape: tuple[int, ...] | None = None,
+) -> AdaLNLayout:
+    """Check shapes and classify the modulation (``segment_shape``: the shape of ``segment_ids``, if any).
 
     Raises:
         ValueError: naming the offending argument, its shape and the valid shapes.
@@ -47,6 +57,14 @@ def adaln_layout(x_shape: tuple[int, ...], scale_shape: tuple[int, ...], shift_s
         raise ValueError(
             f"adaln: scale and shift must have the same shape, got {list(scale_shape)} and {list(shift_shape)}"
         )
+    if segment_shape is not None:
+        if tuple(segment_shape) != (b, n):
+            raise ValueError(f"adaln: segment_ids must have shape [B, N] = [{b}, {n}], got {list(segment_shape)}")
+        if len(scale_shape) != 3 or scale_shape[0] != b or scale_shape[2] != d or scale_shape[1] < 1:
+            raise ValueError(
+                f"adaln: with segment_ids, scale/shift must be per segment [{b}, S, {d}], got {list(scale_shape)}"
+            )
+        return AdaLNLayout(b, n, d, per_token=False, segments=scale_shape[1])
     per_sample = {(b, d), (b, 1, d)}
     if scale_shape in per_sample:
         return AdaLNLayout(b, n, d, per_token=False)
@@ -73,6 +91,33 @@ def check_dtypes(x_dtype: object, scale_dtype: object, shift_dtype: object) -> N
             raise ValueError(
                 f"adaln: {arg} dtype {dtype_name(dtype)} is not supported with x in {x_name}; valid: {', '.join(valid)}"
             )
+
+
+def check_segment_dtype(dtype: object) -> None:
+    if dtype_name(dtype) not in ("int32", "int64"):
+        raise ValueError(f"adaln: segment_ids must be int32 or int64, got {dtype_name(dtype)}")
+
+
+def check_segment_ids(segment_ids: object, segments: int) -> None:
+    """Values of a ``[B, N]`` segment-id array (anything numpy can read): in ``[0, segments)``, non-decreasing.
+
+    Raises:
+        ValueError: naming the first offending row and what is valid.
+    """
+    import numpy as np
+
+    ids = np.asarray(segment_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"adaln: segment_ids must have shape [B, N], got {list(ids.shape)}")
+    bad = np.flatnonzero(((ids < 0) | (ids >= segments)).any(axis=1))
+    if bad.size:
+        outside = sorted({int(v) for v in ids[bad[0]] if not 0 <= v < segments})
+        raise ValueError(f"adaln: segment_ids row {bad[0]} has ids outside [0, {segments}): {outside}")
+    bad = np.flatnonzero((np.diff(ids, axis=1) < 0).any(axis=1))
+    if bad.size:
+        raise ValueError(
+            f"adaln: segment_ids row {bad[0]} decreases along N; segments must be contiguous runs in order"
+        )
 
 
 def check_eps(eps: float) -> None:

@@ -1,150 +1,345 @@
 """Fused AdaLN in Triton: ``y = LayerNorm(x) · (1 + scale) + shift`` with its backward, for PyTorch on GPU.
 
 Math (statistics in fp32, ``x̂ = (x − μ)·r``, ``g = dy·(1 + scale)``):
-  ``dx = r·(g − mean_d g − x̂·mean_d(g·x̂))``, ``d_scale[b] = Σ_{n∈b} dy·x̂``, ``d_shift[b] = Σ_{n∈b} dy``
-(per-token modulation: ``d_scale = dy·x̂`` and ``d_shift = dy`` elementwise). See docs/reference kernels.md.
+  ``dx = r·(g − mean_d g − x̂·mean_d(g·x̂))``, ``d_scale[s] = Σ_{n∈s} dy·x̂``, ``d_shift[s] = Σ_{n∈s} dy``
+for each segment s (a sample, or a segment of a packed row); per-token modulation: ``d_scale = dy·x̂`` and
+``d_shift = dy`` elementwise. Contract and packing: ``adaln_shapes.py`` and docs/architecture.md.
 
-Layout, Liger-Kernel style: private ``@triton.jit`` kernels, then the public launchers ``adaln_forward`` /
-``adaln_backward`` that check shapes, then ``AdaLNFunction`` and ``adaln_triton``.
+Layout, Liger-Kernel style: private ``@triton.jit`` kernels, the launch table, the public launchers
+``adaln_forward`` / ``adaln_backward`` that check shapes, then ``AdaLNFunction`` and ``adaln_triton``.
 
-- Forward: one program per row; x, scale and shift read once, y written once, plus fp32 mean and rstd per row.
-- Backward: one pass over x and dy. A persistent grid of P programs, each owning a contiguous block of rows,
-  keeps the per-sample column sums of ``dy·x̂`` and ``dy`` in fp32 registers and writes one partial per
-  (program, sample) it touches. Program p's partial for sample b goes to slot ``p + b``: rows are sorted by sample,
-  so these slots never collide and the buffer has only ``P + B − 1`` rows. A second tiny kernel sums, for each
-  sample, the partials of the programs that cover it, in program order: no atomics, bit-for-bit deterministic.
+Rows are the flattened ``R = B·N`` tokens. Each row belongs to a *global segment* ``g = b·S + s`` (per sample:
+``g = b``), and g is non-decreasing over the rows; the modulation row of row r is ``scale[g // S, g % S]`` (per
+token: ``scale[b, n]``). Every kernel works on ``(BLOCK_R, BLOCK_D)`` tiles, so no program holds a whole row in
+registers (a full row of 5120 spilled at 16 warps):
 
-Saved for backward: x, mean, rstd and scale (shift is not needed). On CPU tensors the kernels run only in the
-Triton interpreter, which must be switched on (``TRITON_INTERPRET=1``) before this module is imported.
+- Forward: a program owns BLOCK_R rows and sweeps D twice: once for the statistics (tile means and M2 combined with
+  Chan's update: stable, one read), once to normalise, modulate and write y (the re-read hits L1/L2). A block whose
+  rows share one segment loads each modulation tile once and broadcasts it over the rows.
+- Backward, the paper's (d_tile, row range) layout: a small row kernel computes ``mean_d g`` and ``mean_d(g·x̂)``
+  per row; then program (j, p) owns D-tile j of row range p, writes dx for its tile and keeps the column sums of
+  ``dy·x̂`` and ``dy`` for the current segment in fp32 registers, coalesced along D. On a segment change it writes the
+  partial to slot ``p + g`` of a ``[P + G − 1, D]`` buffer: ranges are contiguous and g non-decreasing, so slots of
+  different programs never collide. A last kernel sums, per segment, the partials of the ranges that cover it, in
+  range order: no atomics, bit-for-bit deterministic.
+
+HBM bytes per element (bf16 x): forward 4 (read x, write y); backward 10 (x and dy read by both backward kernels,
+dx written), plus 4/D per row for the statistics. Saved for backward: x, mean, rstd and scale. On CPU tensors the
+kernels run only in the Triton interpreter, which must be switched on (``TRITON_INTERPRET=1``) before this module is
+imported; ``kernels/triton_aot.py`` compiles them for sm_90/sm_100 without a GPU.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from wanloom_trainer.kernels.adaln_shapes import AdaLNLayout, adaln_layout, check_dtypes, check_eps
+from wanloom_trainer.kernels.adaln_shapes import (
+    AdaLNLayout,
+    adaln_layout,
+    check_dtypes,
+    check_eps,
+    check_segment_dtype,
+)
+
+# ---------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _segment_of(rows, SEG, n_tokens, SEGMENTED: tl.constexpr):
+    """Global segment of each row (int64): ``SEG[r]`` for packed rows, ``r // N`` (the sample) otherwise."""
+    if SEGMENTED:
+        return tl.load(SEG + rows).to(tl.int64)
+    return rows // n_tokens
+
+
+@triton.jit
+def _mod_offsets(rows, seg, n_tokens, n_segments, stride_b, stride_j, PER_TOKEN: tl.constexpr):
+    """Element offset of each row's modulation row: ``[b, n]`` per token, ``[g // S, g % S]`` per segment."""
+    if PER_TOKEN:
+        return (rows // n_tokens) * stride_b + (rows % n_tokens) * stride_j
+    return (seg // n_segments) * stride_b + (seg % n_segments) * stride_j
+
+
+@triton.jit
+def _load_mod(MOD, offs, cols, cmask, mask, uniform):
+    """A ``(BLOCK_R, BLOCK_D)`` modulation tile in fp32; rows of one segment load the tile once and broadcast it."""
+    if uniform:
+        row = tl.load(MOD + tl.min(offs, axis=0) + cols, mask=cmask, other=0.0).to(tl.float32)
+        tile = tl.where(mask, row[None, :], 0.0)
+    else:
+        tile = tl.load(MOD + offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _block_segments(rows, rmask, SEG, n_tokens, SEGMENTED: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """(segment of each row, whether all valid rows share one segment, the first one); invalid rows read as the
+    block's first row, which is always valid. Per-token modulation is never uniform."""
+    seg = _segment_of(tl.where(rmask, rows, tl.min(rows, axis=0)), SEG, n_tokens, SEGMENTED)
+    first = tl.min(seg, axis=0)
+    if PER_TOKEN:
+        return seg, False, first
+    return seg, first == tl.max(seg, axis=0), first
 
 
 @triton.jit
 def _adaln_fwd_kernel(
-    X,  # [R, D] rows of x, R = B·N, contiguous
-    SCALE,  # per sample [B, D] (stride_n = 0) or per token [B, N, D]; last dim contiguous
+    X,  # [R, D] rows of x, contiguous
+    SCALE,  # modulation rows: [B, S, D] per segment or [B, N, D] per token; last dim contiguous
     SHIFT,  # same shape as SCALE
+    SEG,  # [R] global segment ids (int32) when SEGMENTED
     Y,  # [R, D] output in x's dtype
     MEAN,  # [R] fp32
     RSTD,  # [R] fp32
     scale_stride_b,
-    scale_stride_n,
+    scale_stride_j,
     shift_stride_b,
-    shift_stride_n,
-    n_tokens,  # N: rows per sample
+    shift_stride_j,
+    n_rows,  # R
+    n_tokens,  # N
+    n_segments,  # S
     D,
     eps,
+    PER_TOKEN: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    b, n = row // n_tokens, row % n_tokens
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / D
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
-    scale = tl.load(SCALE + b * scale_stride_b + n * scale_stride_n + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(SHIFT + b * shift_stride_b + n * shift_stride_n + cols, mask=mask, other=0.0).to(tl.float32)
-    y = xc * rstd * (1.0 + scale) + shift
-    tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    mean = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (cols < D)[None, :]
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        seen = d0 * 1.0  # every earlier tile is full
+        width = tl.minimum(D - d0, BLOCK_D) * 1.0
+        tile_mean = tl.sum(x, axis=1) / width
+        xc = tl.where(mask, x - tile_mean[:, None], 0.0)
+        delta = tile_mean - mean
+        mean += delta * (width / (seen + width))
+        m2 += tl.sum(xc * xc, axis=1) + delta * delta * (seen * width / (seen + width))
+    rstd = 1.0 / tl.sqrt(m2 / D + eps)
+    seg, uniform, _ = _block_segments(rows, rmask, SEG, n_tokens, SEGMENTED, PER_TOKEN)
+    scale_offs = _mod_offsets(rows, seg, n_tokens, n_segments, scale_stride_b, scale_stride_j, PER_TOKEN)
+    shift_offs = _mod_offsets(rows, seg, n_tokens, n_segments, shift_stride_b, shift_stride_j, PER_TOKEN)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = _load_mod(SCALE, scale_offs, cols, cmask, mask, uniform)
+        shift = _load_mod(SHIFT, shift_offs, cols, cmask, mask, uniform)
+        y = (x - mean[:, None]) * rstd[:, None] * (1.0 + scale) + shift
+        tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
-def _adaln_row_grad(X, DY, DX, MEAN, RSTD, row, one_plus_scale, cols, mask, D):
-    """dx of one row (stored), and the row's ``dy·x̂`` and ``dy`` in fp32 for the column sums."""
-    x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + row)
-    x_hat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
-    g = dy * one_plus_scale
-    c1 = tl.sum(g, axis=0) / D
-    c2 = tl.sum(g * x_hat, axis=0) / D
-    dx = rstd * (g - c1 - x_hat * c2)
-    tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    return dy * x_hat, dy
+def _adaln_bwd_rowsum_kernel(
+    X,  # [R, D]
+    DY,  # [R, D]
+    SCALE,  # as in the forward
+    SEG,  # [R] when SEGMENTED
+    MEAN,  # [R] fp32
+    RSTD,  # [R] fp32
+    C1,  # [R] fp32 output: mean_d g
+    C2,  # [R] fp32 output: mean_d g·x̂
+    stride_b,
+    stride_j,
+    n_rows,
+    n_tokens,
+    n_segments,
+    D,
+    PER_TOKEN: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    seg, uniform, _ = _block_segments(rows, rmask, SEG, n_tokens, SEGMENTED, PER_TOKEN)
+    offs = _mod_offsets(rows, seg, n_tokens, n_segments, stride_b, stride_j, PER_TOKEN)
+    sum_g = tl.zeros([BLOCK_R], dtype=tl.float32)
+    sum_gx = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = dy * (1.0 + _load_mod(SCALE, offs, cols, cmask, mask, uniform))
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        sum_g += tl.sum(g, axis=1)
+        sum_gx += tl.sum(g * x_hat, axis=1)
+    tl.store(C1 + rows, sum_g / D, mask=rmask)
+    tl.store(C2 + rows, sum_gx / D, mask=rmask)
 
 
 @triton.jit
 def _adaln_bwd_kernel(
-    X,  # [R, D] rows of x
-    DY,  # [R, D] upstream gradient
-    SCALE,  # per sample [B, D] (stride_n = 0) or per token [B, N, D]; last dim contiguous
+    X,  # [R, D]
+    DY,  # [R, D]
+    SCALE,  # as in the forward
+    SEG,  # [R] when SEGMENTED
     MEAN,  # [R] fp32
     RSTD,  # [R] fp32
+    C1,  # [R] fp32 from the row kernel
+    C2,  # [R] fp32
     DX,  # [R, D] output in x's dtype
-    DSCALE,  # per token: [R, D] in scale's dtype; per sample: [P + B - 1, D] fp32 partials
-    DSHIFT,  # per token: [R, D] in shift's dtype; per sample: [P + B - 1, D] fp32 partials
-    scale_stride_b,
-    scale_stride_n,
-    n_rows,  # R
-    n_tokens,  # N
+    DSCALE,  # per token: [R, D] in scale's dtype; per segment: [P + G - 1, D] fp32 partials
+    DSHIFT,  # per token: [R, D] in shift's dtype; per segment: [P + G - 1, D] fp32 partials
+    stride_b,
+    stride_j,
+    n_rows,
+    n_tokens,
+    n_segments,
     D,
     rows_per_program,
     PER_TOKEN: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    pid = tl.program_id(1)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    if PER_TOKEN:
-        for row in range(row_start, row_end):
-            mod = SCALE + (row // n_tokens) * scale_stride_b + (row % n_tokens) * scale_stride_n
-            scale = tl.load(mod + cols, mask=mask, other=0.0).to(tl.float32)
-            d_scale, d_shift = _adaln_row_grad(X, DY, DX, MEAN, RSTD, row, 1.0 + scale, cols, mask, D)
-            tl.store(DSCALE + row * D + cols, d_scale.to(DSCALE.dtype.element_ty), mask=mask)
-            tl.store(DSHIFT + row * D + cols, d_shift.to(DSHIFT.dtype.element_ty), mask=mask)
-    else:
-        # Walk the samples this program's rows belong to; one fp32 partial per (program, sample) in slot pid + b.
-        for b in range(row_start // n_tokens, (row_end - 1) // n_tokens + 1):
-            one_plus_scale = 1.0 + tl.load(SCALE + b * scale_stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-            acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
-            acc_shift = tl.zeros([BLOCK_D], dtype=tl.float32)
-            seg_end = tl.minimum(row_end, (b + 1) * n_tokens)
-            for row in range(tl.maximum(row_start, b * n_tokens), seg_end):
-                d_scale, d_shift = _adaln_row_grad(X, DY, DX, MEAN, RSTD, row, one_plus_scale, cols, mask, D)
-                acc_scale += d_scale
-                acc_shift += d_shift
-            tl.store(DSCALE + (pid + b) * D + cols, acc_scale, mask=mask)
-            tl.store(DSHIFT + (pid + b) * D + cols, acc_shift, mask=mask)
+    acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_shift = tl.zeros([BLOCK_D], dtype=tl.float32)
+    current = _segment_of(row_start, SEG, n_tokens, SEGMENTED)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rmask = rows < row_end
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * D + cols[None, :]
+        x = tl.load(X + tile, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + tile, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)[:, None]
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)[:, None]
+        c1 = tl.load(C1 + rows, mask=rmask, other=0.0)[:, None]
+        c2 = tl.load(C2 + rows, mask=rmask, other=0.0)[:, None]
+        seg, uniform, seg_lo = _block_segments(rows, rmask, SEG, n_tokens, SEGMENTED, PER_TOKEN)
+        offs = _mod_offsets(rows, seg, n_tokens, n_segments, stride_b, stride_j, PER_TOKEN)
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * (1.0 + _load_mod(SCALE, offs, cols, cmask, mask, uniform))
+        tl.store(DX + tile, (rstd * (g - c1 - x_hat * c2)).to(DX.dtype.element_ty), mask=mask)
+        if PER_TOKEN:
+            tl.store(DSCALE + tile, (dy * x_hat).to(DSCALE.dtype.element_ty), mask=mask)
+            tl.store(DSHIFT + tile, dy.to(DSHIFT.dtype.element_ty), mask=mask)
+        else:
+            d_scale = dy * x_hat  # both 0 on masked entries
+            if uniform & (seg_lo == current):
+                acc_scale += tl.sum(d_scale, axis=0)
+                acc_shift += tl.sum(dy, axis=0)
+            else:
+                for s in range(seg_lo, tl.max(seg, axis=0) + 1):
+                    if s != current:
+                        tl.store(DSCALE + (pid + current) * D + cols, acc_scale, mask=cmask)
+                        tl.store(DSHIFT + (pid + current) * D + cols, acc_shift, mask=cmask)
+                        acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
+                        acc_shift = tl.zeros([BLOCK_D], dtype=tl.float32)
+                        current = s
+                    mine = (seg == s)[:, None]
+                    acc_scale += tl.sum(tl.where(mine, d_scale, 0.0), axis=0)
+                    acc_shift += tl.sum(tl.where(mine, dy, 0.0), axis=0)
+    if not PER_TOKEN:
+        tl.store(DSCALE + (pid + current) * D + cols, acc_scale, mask=cmask)
+        tl.store(DSHIFT + (pid + current) * D + cols, acc_shift, mask=cmask)
 
 
 @triton.jit
 def _adaln_segment_sum_kernel(
-    PARTIAL_SCALE,  # [P + B - 1, D] fp32, slot p + b holds program p's partial for sample b
-    PARTIAL_SHIFT,  # [P + B - 1, D] fp32
-    DSCALE,  # [B, D] output in scale's dtype
-    DSHIFT,  # [B, D] output in shift's dtype
-    n_tokens,  # N
+    PARTIAL_SCALE,  # [P + G - 1, D] fp32: slot p + g holds row range p's partial for segment g
+    PARTIAL_SHIFT,  # [P + G - 1, D] fp32
+    SEG_OFFSETS,  # [G + 1] int64: segment g covers rows [SEG_OFFSETS[g], SEG_OFFSETS[g + 1])
+    DSCALE,  # [G, D] output in scale's dtype
+    DSHIFT,  # [G, D] output in shift's dtype
     D,
     rows_per_program,
     BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    g = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
+    start = tl.load(SEG_OFFSETS + g)
+    end = tl.load(SEG_OFFSETS + g + 1)
+    first = start // rows_per_program
+    count = tl.where(end > start, (end - 1) // rows_per_program - first + 1, 0)  # empty segments sum nothing
     acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_shift = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # Programs covering sample b, summed in program order (fixed order: deterministic).
-    first_program = (b.to(tl.int64) * n_tokens) // rows_per_program
-    last_program = ((b.to(tl.int64) + 1) * n_tokens - 1) // rows_per_program
-    for p in range(first_program, last_program + 1):
-        acc_scale += tl.load(PARTIAL_SCALE + (p + b) * D + cols, mask=mask, other=0.0)
-        acc_shift += tl.load(PARTIAL_SHIFT + (p + b) * D + cols, mask=mask, other=0.0)
-    tl.store(DSCALE + b * D + cols, acc_scale.to(DSCALE.dtype.element_ty), mask=mask)
-    tl.store(DSHIFT + b * D + cols, acc_shift.to(DSHIFT.dtype.element_ty), mask=mask)
+    for i in range(0, count):  # range order: deterministic
+        slot = (first + i + g) * D + cols
+        acc_scale += tl.load(PARTIAL_SCALE + slot, mask=mask, other=0.0)
+        acc_shift += tl.load(PARTIAL_SHIFT + slot, mask=mask, other=0.0)
+    tl.store(DSCALE + g * D + cols, acc_scale.to(DSCALE.dtype.element_ty), mask=mask)
+    tl.store(DSHIFT + g * D + cols, acc_shift.to(DSHIFT.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------- launch table
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch: rows and columns per tile, warps and software-pipelining stages per program."""
+
+    block_r: int
+    block_d: int
+    num_warps: int
+    num_stages: int = 1  # the loops stream through registers; deeper pipelining changed nothing in the AOT report
+
+
+# Elements per (BLOCK_R, BLOCK_D) tile with 8 warps: a tile costs about 8 registers per element a thread holds (x,
+# dy, the modulation and their 64-bit gather addresses), so 2048 elements (8 per thread) keep the forward and the
+# row kernel at <= 64 registers at D = 3072/5120 (<= 92 at D = 1536, whose 512-wide tiles take 4 rows), and the
+# column kernel, which holds more tensors, takes 1024. The AOT report (`benchmarks/adaln_kernels.py --aot
+# sm_90,sm_100`, docs/benchmarks.md) shows no spills and >= 50% occupancy at D = 3072/5120 on both targets;
+# 4096-element tiles reached 154-255 registers and spilled in the column kernel. Column tiles divide D where they
+# can (5120 = 5·1024, 3072 = 3·1024, 1536 = 3·512), so no lane is masked off; the column kernel's 512-wide tiles
+# give 10 (d_tile, row range) programs per range at D = 5120.
+TILE_ELEMENTS = {"forward": 2048, "backward_rows": 2048, "backward": 1024}
+WIDEST_TILE = {"forward": 1024, "backward_rows": 1024, "backward": 512}
+
+
+def column_tile(dim: int, widest: int) -> int:
+    """The widest power of two <= ``widest`` that divides ``dim`` (at least 128), or the next power of two of a
+    small ``dim``."""
+    if dim <= widest:
+        return triton.next_power_of_2(dim)
+    tile = widest
+    while tile > 128 and dim % tile:
+        tile //= 2
+    return tile
+
+
+# The Triton interpreter costs ~0.4 ms per tile operation whatever the tile's size, so at D >= 1024 it runs tiles
+# of the same width with 16x the rows (a 4096 x 5120 call takes a minute instead of nine); below that it keeps the
+# compiled tiles, so the small-D tests walk several row chunks per program as the GPU does.
+_INTERPRETER_ROW_FACTOR = 16
+
+
+def launch_configs(dim: int, interpreted: bool = False) -> dict[str, TileConfig]:
+    """Tiles per kernel (``forward``, ``backward_rows``, ``backward``, ``segment_sum``) for rows of width ``dim``;
+    the same on sm_90 and sm_100 (the AOT report shows both without spills)."""
+    factor = _INTERPRETER_ROW_FACTOR if interpreted and dim >= 1024 else 1
+    configs = {}
+    for name, elements in TILE_ELEMENTS.items():
+        block_d = column_tile(dim, WIDEST_TILE[name])
+        configs[name] = TileConfig(factor * max(1, elements // block_d), block_d, num_warps=8)
+    configs["segment_sum"] = TileConfig(1, min(1024, triton.next_power_of_2(dim)), num_warps=4)  # tiny: B·S rows
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
 
 
 def interpreter_active() -> bool:
@@ -158,7 +353,8 @@ def _check_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(
-            f"adaln_triton: x, scale, shift (and dy) must be on one device, got {sorted(map(str, devices))}"
+            f"adaln_triton: x, scale, shift (and dy, segment_ids) must be on one device, got "
+            f"{sorted(map(str, devices))}"
         )
     device = devices.pop()
     if device.type == "cpu" and not interpreter_active():
@@ -168,29 +364,57 @@ def _check_device(*tensors: torch.Tensor) -> None:
         )
 
 
+def _layout(x: torch.Tensor, scale: torch.Tensor, shift_shape, segment_ids: torch.Tensor | None) -> AdaLNLayout:
+    if segment_ids is not None:
+        check_segment_dtype(segment_ids.dtype)
+    return adaln_layout(
+        tuple(x.shape), tuple(scale.shape), tuple(shift_shape), None if segment_ids is None else segment_ids.shape
+    )
+
+
 def _modulation_rows(t: torch.Tensor, layout: AdaLNLayout) -> tuple[torch.Tensor, int, int]:
-    """``(tensor, stride_b, stride_n)`` for the kernels; keeps strided views (TI2V's chunks of ``[B, N, 6, D]``)."""
+    """``(tensor, stride_b, stride_j)``: j is the token (per token) or the segment; keeps strided views (TI2V's
+    chunks of ``[B, N, 6, D]``, the output norm's chunks of ``[B, 2, D]``)."""
     if t.stride(-1) != 1:
         t = t.contiguous()
-    return t, t.stride(0), (t.stride(1) if layout.per_token else 0)
+    if t.dim() == 2:  # [B, D]: one segment per sample
+        return t, t.stride(0), 0
+    return t, t.stride(0), t.stride(1)
 
 
-def _launch_settings(dim: int) -> tuple[int, int]:
-    """(BLOCK_D, num_warps): the whole row in one tile, more warps for wider rows (Liger's rule)."""
-    block_d = triton.next_power_of_2(dim)
-    num_warps = 32 if block_d >= 32768 else 16 if block_d >= 8192 else 8 if block_d >= 2048 else 4
-    return block_d, num_warps
+def _global_segments(segment_ids: torch.Tensor | None, layout: AdaLNLayout) -> torch.Tensor | None:
+    """``[R]`` int32 ids ``b·S + s`` of packed rows (non-decreasing over all rows), or None per sample/token."""
+    if segment_ids is None:
+        return None
+    base = torch.arange(layout.batch, device=segment_ids.device, dtype=torch.int64)[:, None] * layout.segments
+    return (segment_ids.to(torch.int64) + base).reshape(-1).to(torch.int32)
+
+
+def _segment_offsets(segments: torch.Tensor | None, layout: AdaLNLayout, device: torch.device) -> torch.Tensor:
+    """``[G + 1]`` int64 row offsets of the G = B·S global segments (empty segments have equal offsets)."""
+    count = layout.batch * layout.segments
+    if segments is None:
+        return torch.arange(count + 1, device=device, dtype=torch.int64) * layout.tokens
+    offsets = torch.zeros(count + 1, device=device, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(segments, minlength=count), 0)
+    return offsets
 
 
 def adaln_forward(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused AdaLN forward.
 
     Args:
         x: ``[B, N, D]`` (float32, bfloat16 or float16).
-        scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token ``[B, N, D]``; float32 or x's dtype.
+        scale, shift: per sample ``[B, D]`` / ``[B, 1, D]``, per token ``[B, N, D]``, or with ``segment_ids`` per
+            segment ``[B, S, D]``; float32 or x's dtype.
         eps: LayerNorm epsilon.
+        segment_ids: packed rows: ``[B, N]`` int32/int64, values in ``[0, S)``, non-decreasing along N.
 
     Returns:
         ``(y [B, N, D] in x's dtype, mean [B, N] fp32, rstd [B, N] fp32)``.
@@ -198,40 +422,50 @@ def adaln_forward(
     Raises:
         ValueError: on shapes, dtypes or devices outside the contract (message names them).
     """
-    layout = adaln_layout(tuple(x.shape), tuple(scale.shape), tuple(shift.shape))
+    layout = _layout(x, scale, shift.shape, segment_ids)
     check_dtypes(x.dtype, scale.dtype, shift.dtype)
     check_eps(eps)
-    _check_device(x, scale, shift)
+    _check_device(x, scale, shift, *([] if segment_ids is None else [segment_ids]))
     x_rows = x.contiguous()
     (scale, *scale_strides), (shift, *shift_strides) = _modulation_rows(scale, layout), _modulation_rows(shift, layout)
+    segments = _global_segments(segment_ids, layout)
     y = torch.empty_like(x_rows)
     rows = layout.batch * layout.tokens
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    block_d, num_warps = _launch_settings(layout.dim)
-    _adaln_fwd_kernel[(rows,)](
+    cfg = launch_configs(layout.dim, interpreter_active())["forward"]
+    _adaln_fwd_kernel[(triton.cdiv(rows, cfg.block_r),)](
         x_rows,
         scale,
         shift,
+        mean if segments is None else segments,  # SEG is never read unless SEGMENTED
         y,
         mean,
         rstd,
         *scale_strides,
         *shift_strides,
+        rows,
         layout.tokens,
+        layout.segments,
         layout.dim,
         eps,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
+        PER_TOKEN=layout.per_token,
+        SEGMENTED=segments is not None,
+        BLOCK_R=cfg.block_r,
+        BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y, mean.view(layout.batch, layout.tokens), rstd.view(layout.batch, layout.tokens)
 
 
-def default_num_programs(device: torch.device) -> int:
-    """Persistent backward grid: a few programs per SM on GPU; a handful in the CPU interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+def default_num_programs(device: torch.device, dim: int) -> int:
+    """Row ranges P of the backward: with the column tiles, about 8 programs per SM on GPU; a handful in the
+    CPU interpreter."""
+    if device.type != "cuda":
+        return 8
+    d_tiles = triton.cdiv(dim, launch_configs(dim)["backward"].block_d)
+    return max(1, 8 * torch.cuda.get_device_properties(device).multi_processor_count // d_tiles)
 
 
 def adaln_backward(
@@ -242,80 +476,83 @@ def adaln_backward(
     rstd: torch.Tensor,
     shift_dtype: torch.dtype | None = None,
     num_programs: int | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused AdaLN backward: one pass over x and dy.
+    """Fused AdaLN backward.
 
     Args:
         dy: ``[B, N, D]`` gradient of y.
-        x, scale: as given to ``adaln_forward``; mean, rstd: its ``[B, N]`` fp32 statistics.
+        x, scale, segment_ids: as given to ``adaln_forward``; mean, rstd: its ``[B, N]`` fp32 statistics.
         shift_dtype: dtype of the shift gradient (default: scale's dtype).
-        num_programs: persistent grid size P for the backward (default ``default_num_programs``); the result does
-            not depend on it beyond fp32 summation order.
+        num_programs: row ranges P of the backward grid (default ``default_num_programs``); the result does not
+            depend on it beyond fp32 summation order.
 
     Returns:
         ``(dx like x, d_scale like scale, d_shift with scale's shape in shift_dtype)``.
     """
     shift_dtype = shift_dtype or scale.dtype
-    layout = adaln_layout(tuple(x.shape), tuple(scale.shape), tuple(scale.shape))
+    layout = _layout(x, scale, scale.shape, segment_ids)
     check_dtypes(x.dtype, scale.dtype, shift_dtype)
     if dy.shape != x.shape or mean.shape != (layout.batch, layout.tokens) or rstd.shape != mean.shape:
         raise ValueError(
             f"adaln_backward: dy {list(dy.shape)} must match x {list(x.shape)}, mean/rstd "
             f"{list(mean.shape)}/{list(rstd.shape)} must be [{layout.batch}, {layout.tokens}]"
         )
-    _check_device(dy, x, scale, mean, rstd)
+    _check_device(dy, x, scale, mean, rstd, *([] if segment_ids is None else [segment_ids]))
     rows = layout.batch * layout.tokens
-    programs = min(rows, num_programs or default_num_programs(x.device))
+    cfgs = launch_configs(layout.dim, interpreter_active())
+    programs = min(rows, num_programs or default_num_programs(x.device, layout.dim))
     rows_per_program = triton.cdiv(rows, programs)
-    programs = triton.cdiv(rows, rows_per_program)  # every program owns at least one row
-    x, dy, (scale_rows, *scale_strides) = x.contiguous(), dy.contiguous(), _modulation_rows(scale, layout)
+    programs = triton.cdiv(rows, rows_per_program)  # every range holds at least one row
+    x, dy, (scale_rows, *strides) = x.contiguous(), dy.contiguous(), _modulation_rows(scale, layout)
+    mean, rstd = mean.contiguous(), rstd.contiguous()
+    segments = _global_segments(segment_ids, layout)
+    seg_arg = mean if segments is None else segments  # never read unless SEGMENTED
+    common = (rows, layout.tokens, layout.segments, layout.dim)
+    flags = {"PER_TOKEN": layout.per_token, "SEGMENTED": segments is not None}
+    c1, c2 = torch.empty_like(mean), torch.empty_like(mean)
+    cfg = cfgs["backward_rows"]
+    _adaln_bwd_rowsum_kernel[(triton.cdiv(rows, cfg.block_r),)](
+        x, dy, scale_rows, seg_arg, mean, rstd, c1, c2, *strides, *common,
+        **flags, BLOCK_R=cfg.block_r, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     dx = torch.empty_like(x)
     if layout.per_token:
         d_scale = torch.empty(scale.shape, dtype=scale.dtype, device=x.device)
         d_shift = torch.empty(scale.shape, dtype=shift_dtype, device=x.device)
     else:
-        d_scale = torch.empty(programs + layout.batch - 1, layout.dim, dtype=torch.float32, device=x.device)
+        slots = programs + layout.batch * layout.segments - 1
+        d_scale = torch.empty(slots, layout.dim, dtype=torch.float32, device=x.device)
         d_shift = torch.empty_like(d_scale)
-    block_d, num_warps = _launch_settings(layout.dim)
-    _adaln_bwd_kernel[(programs,)](
-        x,
-        dy,
-        scale_rows,
-        mean.contiguous(),
-        rstd.contiguous(),
-        dx,
-        d_scale,
-        d_shift,
-        *scale_strides,
-        rows,
-        layout.tokens,
-        layout.dim,
-        rows_per_program,
-        PER_TOKEN=layout.per_token,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+    cfg = cfgs["backward"]
+    _adaln_bwd_kernel[(triton.cdiv(layout.dim, cfg.block_d), programs)](
+        x, dy, scale_rows, seg_arg, mean, rstd, c1, c2, dx, d_scale, d_shift, *strides, *common, rows_per_program,
+        **flags, BLOCK_R=cfg.block_r, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if layout.per_token:
         return dx, d_scale, d_shift
-    return dx, *_segment_sum(d_scale, d_shift, scale, shift_dtype, layout, rows_per_program)
+    offsets = _segment_offsets(segments, layout, x.device)
+    return dx, *_segment_sum(d_scale, d_shift, offsets, scale, shift_dtype, layout, rows_per_program)
 
 
 def _segment_sum(
     partial_scale: torch.Tensor,
     partial_shift: torch.Tensor,
+    offsets: torch.Tensor,
     scale: torch.Tensor,
     shift_dtype: torch.dtype,
     layout: AdaLNLayout,
     rows_per_program: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finish the per-sample column sums: ``[P + B − 1, D]`` partials -> ``[B, D]`` in the modulation dtypes."""
+    """Finish the per-segment column sums: ``[P + G − 1, D]`` partials -> scale's shape in the modulation dtypes."""
     d_scale = torch.empty(scale.shape, dtype=scale.dtype, device=scale.device)
     d_shift = torch.empty(scale.shape, dtype=shift_dtype, device=scale.device)
-    block_d = min(1024, triton.next_power_of_2(layout.dim))
-    grid = (layout.batch, triton.cdiv(layout.dim, block_d))
+    cfg = launch_configs(layout.dim)["segment_sum"]
+    grid = (layout.batch * layout.segments, triton.cdiv(layout.dim, cfg.block_d))
     _adaln_segment_sum_kernel[grid](
-        partial_scale, partial_shift, d_scale, d_shift, layout.tokens, layout.dim, rows_per_program, BLOCK_D=block_d
-    )
+        partial_scale, partial_shift, offsets, d_scale, d_shift, layout.dim, rows_per_program,
+        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return d_scale, d_shift
 
 
@@ -323,19 +560,86 @@ class AdaLNFunction(torch.autograd.Function):
     """Autograd wrapper: saves x, mean, rstd and scale (not y, not x̂, not shift)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-        y, mean, rstd = adaln_forward(x, scale, shift, eps)
-        ctx.save_for_backward(x, mean, rstd, scale)
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        shift: torch.Tensor,
+        eps: float = 1e-6,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        y, mean, rstd = adaln_forward(x, scale, shift, eps, segment_ids)
+        ctx.save_for_backward(x, mean, rstd, scale, segment_ids)
         ctx.shift_dtype = shift.dtype
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        x, mean, rstd, scale = ctx.saved_tensors
-        dx, d_scale, d_shift = adaln_backward(dy, x, scale, mean, rstd, shift_dtype=ctx.shift_dtype)
-        return dx, d_scale, d_shift, None
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        x, mean, rstd, scale, segment_ids = ctx.saved_tensors
+        dx, d_scale, d_shift = adaln_backward(
+            dy, x, scale, mean, rstd, shift_dtype=ctx.shift_dtype, segment_ids=segment_ids
+        )
+        return dx, d_scale, d_shift, None, None
 
 
-def adaln_triton(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Fused ``LayerNorm(x) · (1 + scale) + shift`` (autograd-aware); shapes and dtypes as in ``adaln_forward``."""
-    return AdaLNFunction.apply(x, scale, shift, eps)
+def adaln_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused ``LayerNorm(x) · (1 + scale) + shift`` (autograd-aware); arguments as in ``adaln_forward``."""
+    return AdaLNFunction.apply(x, scale, shift, eps, segment_ids)
+
+
+# ---------------------------------------------------------------------------------------------------- AOT variants
+
+MODULATIONS = ("sample", "token", "segment")
+_TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def aot_variants(dim: int, x_dtype: str, modulation: str) -> list[tuple[str, object, dict, dict, TileConfig]]:
+    """Every kernel the launchers can start for rows of width ``dim``: ``(pass, kernel, signature, constexprs,
+    launch)`` with fp32 modulation (what the Wan models pass), for ``kernels.triton_aot.compile_kernel``."""
+    if modulation not in MODULATIONS:
+        raise ValueError(f"modulation {modulation!r}; valid: {', '.join(MODULATIONS)}")
+    x = "*" + _TRITON_TYPES[x_dtype]
+    flags = {"PER_TOKEN": modulation == "token", "SEGMENTED": modulation == "segment"}
+    seg = "*i32" if flags["SEGMENTED"] else "*fp32"
+    cfgs = launch_configs(dim)
+    i32, f32, ptr32, const = "i32", "fp32", "*fp32", "constexpr"
+    sizes = {"n_rows": i32, "n_tokens": i32, "n_segments": i32, "D": i32}
+    consts = {"PER_TOKEN": const, "SEGMENTED": const, "BLOCK_R": const, "BLOCK_D": const}
+
+    def tiles(cfg: TileConfig) -> dict:
+        return {**flags, "BLOCK_R": cfg.block_r, "BLOCK_D": cfg.block_d}
+
+    forward = {
+        "X": x, "SCALE": ptr32, "SHIFT": ptr32, "SEG": seg, "Y": x, "MEAN": ptr32, "RSTD": ptr32,
+        "scale_stride_b": i32, "scale_stride_j": i32, "shift_stride_b": i32, "shift_stride_j": i32,
+        **sizes, "eps": f32, **consts,
+    }  # fmt: skip
+    rows = {
+        "X": x, "DY": x, "SCALE": ptr32, "SEG": seg, "MEAN": ptr32, "RSTD": ptr32, "C1": ptr32, "C2": ptr32,
+        "stride_b": i32, "stride_j": i32, **sizes, **consts,
+    }  # fmt: skip
+    d_mod = ptr32  # per-sample/segment partials are fp32; per-token gradients come back in scale's dtype (fp32)
+    backward = {
+        "X": x, "DY": x, "SCALE": ptr32, "SEG": seg, "MEAN": ptr32, "RSTD": ptr32, "C1": ptr32, "C2": ptr32,
+        "DX": x, "DSCALE": d_mod, "DSHIFT": d_mod, "stride_b": i32, "stride_j": i32, **sizes,
+        "rows_per_program": i32, **consts,
+    }  # fmt: skip
+    variants = [
+        ("forward", _adaln_fwd_kernel, forward, tiles(cfgs["forward"]), cfgs["forward"]),
+        ("backward_rows", _adaln_bwd_rowsum_kernel, rows, tiles(cfgs["backward_rows"]), cfgs["backward_rows"]),
+        ("backward", _adaln_bwd_kernel, backward, tiles(cfgs["backward"]), cfgs["backward"]),
+    ]
+    if modulation != "token":
+        summed = {
+            "PARTIAL_SCALE": ptr32, "PARTIAL_SHIFT": ptr32, "SEG_OFFSETS": "*i64", "DSCALE": ptr32, "DSHIFT": ptr32,
+            "D": i32, "rows_per_program": i32, "BLOCK_D": const,
+        }  # fmt: skip
+        launch = cfgs["segment_sum"]
+        variants.append(("segment_sum", _adaln_segment_sum_kernel, summed, {"BLOCK_D": launch.block_d}, launch))
+    return variants
