@@ -22,8 +22,10 @@ replicated input. With ``check_vma=True`` the outputs carry x's manual axis type
 d_scale/d_shift over the axes x varies along and scale does not; jax 0.10's Pallas interpreter rejects
 ``check_vma=True`` for any kernel, so that path runs on TPU only and is untested on CPU.
 
-``interpret``: ``None`` picks Mosaic on TPU and the Pallas interpreter on any other backend (CPU, GPU); ``True`` or
-a ``pltpu.InterpretParams`` (TPU-faithful interpreter: uninitialised reads as NaN, race detection) forces it.
+``interpret``: ``None`` picks Mosaic on TPU, the Pallas interpreter on CPU and raises on a GPU backend; ``True`` or
+a ``pltpu.InterpretParams`` (TPU-faithful interpreter: uninitialised reads as NaN, race detection) forces it. On a
+multi-device mesh the kernel must run inside ``shard_map`` (``parallel/sharded_adaln.py``): Mosaic kernels cannot
+be partitioned automatically.
 """
 
 from __future__ import annotations
@@ -109,8 +111,15 @@ def _bwd_kernel_per_token(x_ref, dy_ref, scale_ref, dx_ref, dscale_ref, dshift_r
 
 @functools.lru_cache(maxsize=1)
 def _default_interpret() -> bool:
-    # Mosaic compiles for TPU only; elsewhere (CPU tests, a GPU host) run the Pallas interpreter.
-    return jax.default_backend() != "tpu"
+    """Mosaic on TPU, the Pallas interpreter on CPU (tests, local runs); a GPU host gets an error rather than an
+    interpreter that would run the kernel element by element."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        raise ValueError(
+            "kernels.adaln: fused: the Pallas kernel is a TPU (Mosaic) kernel and JAX's backend here is gpu; "
+            "use spec.kernels.adaln: reference with backend jax, or the PyTorch backend (Triton) on NVIDIA GPUs"
+        )
+    return backend != "tpu"
 
 
 def _block_rows(layout: AdaLNLayout, d_pad: int, x_dtype: jnp.dtype, block_rows: int | None) -> int:

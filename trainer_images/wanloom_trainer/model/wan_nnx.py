@@ -120,6 +120,7 @@ class WanTransformerBlock(nnx.Module):
         )
         linear = functools.partial(nnx.Linear, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs)
         self.eps, self.adaln_impl, self.compute_dtype = eps, adaln_impl, compute_dtype
+        self.adaln_fn: Callable[..., jax.Array] | None = None  # a mesh-aware fused kernel (set_adaln_fn)
         # 1. Self-attention (norm1 has no parameters: it is the modulated LayerNorm)
         self.attn1 = attn(checkpoint_tag=SELF_ATTN_TAG)
         # 2. Cross-attention
@@ -142,7 +143,7 @@ class WanTransformerBlock(nnx.Module):
         """
         mod = self.scale_shift_table[...] + timestep_proj
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
-        modulate = functools.partial(_modulated_layer_norm, eps=self.eps, impl=self.adaln_impl)
+        modulate = self.adaln_fn or functools.partial(_modulated_layer_norm, eps=self.eps, impl=self.adaln_impl)
         dtype = x_bsd.dtype
 
         # 1. Self-attention
@@ -217,6 +218,7 @@ class WanTransformer3DModel(nnx.Module):
         out_features = variant.out_channels * math.prod(patch)
         self.proj_out = nnx.Linear(dim, out_features, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), FP32) / math.sqrt(dim))
+        self.adaln_fn: Callable[..., jax.Array] | None = None  # a mesh-aware fused kernel (set_adaln_fn)
 
     def set_attention_fn(
         self, self_attention: AttentionFn | None = None, cross_attention: AttentionFn | None = None
@@ -227,6 +229,13 @@ class WanTransformer3DModel(nnx.Module):
                 block.attn1.attention_fn = self_attention
             if cross_attention is not None:
                 block.attn2.attention_fn = cross_attention
+
+    def set_adaln_fn(self, adaln: Callable[..., jax.Array]) -> None:
+        """Route every modulated LayerNorm (norm1, norm3, norm_out) through ``adaln(x, scale, shift)``, e.g. the
+        fused kernel inside ``shard_map`` (``parallel.sharded_adaln``)."""
+        self.adaln_fn = adaln
+        for block in self.blocks:
+            block.adaln_fn = adaln
 
     def _grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         if len(shape) != 5 or shape[1] != self.variant.in_channels:
@@ -284,7 +293,10 @@ class WanTransformer3DModel(nnx.Module):
         temb = temb[:, None] if temb.ndim == 2 else temb
         table = self.scale_shift_table[...]
         shift, scale = table[:, 0] + temb, table[:, 1] + temb
-        x_bsd = _modulated_layer_norm(x_bsd, scale, shift, eps=self.variant.eps, impl=self.adaln_impl)
+        if self.adaln_fn is not None:
+            x_bsd = self.adaln_fn(x_bsd, scale, shift)
+        else:
+            x_bsd = _modulated_layer_norm(x_bsd, scale, shift, eps=self.variant.eps, impl=self.adaln_impl)
         out = self.proj_out(x_bsd)
 
         # 5. Unpatchify: [B, S, pt·ph·pw·C] → [B, C, T'·pt... ] with (pt, ph, pw, C) as diffusers lays them out

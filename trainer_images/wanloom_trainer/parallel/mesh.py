@@ -50,6 +50,8 @@ def build_mesh(parallel: ParallelConfig, *, num_slices: int = 1, devices: Sequen
             "check spec.resources"
         )
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    # Devices of a multi-slice topology carry their slice (also when compiled ahead of time in one process).
+    num_slices = max(num_slices, len({getattr(d, "slice_index", 0) for d in devices}))
     if num_slices > 1:
         return Mesh(_hybrid_devices(parallel, num_slices, devices), MESH_AXES, axis_types=axis_types)
     return jax.make_mesh(parallel.shape, MESH_AXES, axis_types=axis_types, devices=devices)
@@ -66,6 +68,12 @@ def _hybrid_devices(parallel: ParallelConfig, num_slices: int, devices: list[jax
     ici = list(parallel.shape)
     ici[outer] //= num_slices
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+
+
+def runs_mosaic(mesh: Mesh) -> bool:
+    """Whether Pallas TPU kernels on this mesh compile with Mosaic (a TPU mesh, also one compiled ahead of time on a
+    CPU host) rather than run in the Pallas interpreter (CPU meshes)."""
+    return mesh.devices.flat[0].platform == "tpu"
 
 
 @dataclass(frozen=True)

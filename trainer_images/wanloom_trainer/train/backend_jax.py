@@ -13,6 +13,7 @@ of compiled programs stays small (one per (rows, latent shape), shared by both e
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS
 from wanloom_trainer.distributed import initialize_jax
 from wanloom_trainer.parallel.context_attention import context_parallel_attention
-from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh
+from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh, runs_mosaic
+from wanloom_trainer.parallel.sharded_adaln import sharded_adaln
 from wanloom_trainer.train.backend import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
 from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
 
@@ -126,13 +128,18 @@ class JaxBackend:
         }
 
     def _with_mesh_attention(self, model: nnx.Module) -> nnx.Module:
+        """Single-device kernels (the attention core, the fused AdaLN) run per shard inside ``shard_map``."""
         from wanloom_trainer.model.attention import get_attention_fn
 
         core = get_attention_fn(self.config.model.attention)
+        if self.config.model.attention == "splash":  # the mesh, not the host, decides Mosaic vs interpreter
+            core = functools.partial(core, interpret=not runs_mosaic(self.mesh))
         model.set_attention_fn(
             context_parallel_attention(core, self.shardings, cross=False),
             context_parallel_attention(core, self.shardings, cross=True),
         )
+        if self.config.model.adaln == "fused":
+            model.set_adaln_fn(sharded_adaln(self.shardings, eps=self.config.model.wan.eps))
         return model
 
     def _abstract_model(self) -> nnx.Module:

@@ -21,7 +21,14 @@ from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
 from wanloom_trainer.train.backend_jax import JaxBackend
 from wanloom_trainer.train.objective import batch_noise
 
-MESHES = {"data2-fsdp4": (2, 4, 1, 1), "fsdp2-context2-tensor2": (1, 2, 2, 2)}  # context last: it switches to GSPMD
+# name: (mesh degrees, AdaLN kernel); context meshes last: they switch the process to GSPMD. The fused AdaLN is the
+# Pallas kernel inside shard_map (interpreted on CPU), compared with the single-device run of the plain jnp chain.
+MESHES = {
+    "data2-fsdp4": ((2, 4, 1, 1), "reference"),
+    "fused-data2-fsdp4": ((2, 4, 1, 1), "fused"),
+    "fsdp2-context2-tensor2": ((1, 2, 2, 2), "reference"),
+    "fused-fsdp2-context2-tensor2": ((1, 2, 2, 2), "fused"),
+}
 ROWS = 8  # global rows per slot: divisible by every mesh's data x fsdp
 
 
@@ -80,8 +87,9 @@ def main() -> None:
         single = JaxBackend(base, devices=jax.devices()[:1])
         ref_outs, ref_state = steps(single, 1)
         report = {}
-        for name, shape in MESHES.items():
-            config = dataclasses.replace(base, parallel=ParallelConfig(*shape))
+        for name, (shape, adaln) in MESHES.items():
+            model = dataclasses.replace(base.model, adaln=adaln)
+            config = dataclasses.replace(base, parallel=ParallelConfig(*shape), model=model)
             backend = JaxBackend(config)
             state_live = backend.init_state()
             outs, state = steps(backend, config.parallel.batch_ranks)
