@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check of the fused AdaLN kernels, in one run on a machine with an NVIDIA GPU (about 5 minutes on an H200):
+# The GPU check of the fused AdaLN kernels, in one run on a machine with an NVIDIA GPU (under 8 minutes: each
+# step has its own timeout):
 #   1. the kernel correctness tests, compiled (TRITON_INTERPRET unset), against the eager reference;
 #   2. the bandwidth benchmark (B = 2, per-sample and per-token, bytes the kernels really move, the HBM peak of the
 #      exact device name) against eager PyTorch, torch.compile and Liger-Kernel's LayerNorm where it is installed;
@@ -49,10 +50,10 @@ if ((${#missing[@]})); then
 fi
 
 echo "== 1. kernel correctness, compiled"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/kernels/test_adaln_triton.py \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/kernels/test_adaln_triton.py \
   -m "not exhaustive" 2>&1 | tail -n 15 | tee "$OUT/correctness.txt" || true
 
 echo "== 2./3. bandwidth and training step"
-timeout 300 "$PY" benchmarks/adaln_kernels.py --gpu-only --train-step --dims 5120 3072 \
+timeout 270 "$PY" benchmarks/adaln_kernels.py --gpu-only --train-step --dims 5120 3072 \
   --tokens 16384 65536 75600 --batch 2 2>&1 | tee "$OUT/benchmark.md"
 echo "== report in $OUT"

@@ -7,6 +7,7 @@ AdaLN (``y = LayerNorm(x) · (1 + scale) + shift``, the modulated LayerNorm of e
 - ``adaln_triton.py``: Triton kernels + ``AdaLNFunction`` (PyTorch, GPU; CPU only in the Triton interpreter).
 - ``adaln_pallas.py``: Pallas/Mosaic kernels + ``jax.custom_vjp`` (JAX, TPU; the Pallas interpreter elsewhere).
 - ``adaln_memory.py``: bytes saved for backward (torch saved-tensor hooks, JAX residuals).
+- ``triton_aot.py``: compile Triton kernels for sm_90/sm_100 without a GPU; registers, spills, occupancy.
 
 Dispatch: model code calls one entry per framework and passes the TrainingJob's ``kernels.adaln`` value as ``impl``:
 ``adaln_torch(x, scale, shift, *, eps=1e-6, impl="fused" | "reference")`` (``dispatch_torch.py``) and
