@@ -79,6 +79,49 @@ def plan(
         raise typer.Exit(1) from None
 
 
+def _pixel_shape(text: str) -> tuple[int, int, int]:
+    try:
+        frames, height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected FRAMESxHEIGHTxWIDTH in pixels, e.g. 81x720x1280") from None
+    return frames, height, width
+
+
+def compile_(
+    file: Annotated[Path, typer.Argument(help="TrainingJob YAML with spec.resources.tpu.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    shape: Annotated[
+        list[str] | None, typer.Option(help="Pixel shape FxHxW to compile at (repeatable). Default: the job's buckets.")
+    ] = None,
+    layers: Annotated[int | None, typer.Option(help="Compile a model of this depth (quick checks).")] = None,
+    remat: Annotated[str | None, typer.Option(help="Override spec.parallelism.remat.")] = None,
+    hbm_gib: Annotated[float | None, typer.Option(help="HBM per JAX device in GiB (default: tpu7x, 96).")] = None,
+) -> None:
+    """Compile the job's training step for its TPU topology ahead of time (no TPU needed) and check it fits."""
+    import json
+
+    import numpy as np
+
+    from wanloom_trainer.train.compile_tpu import compile_job
+
+    try:
+        pixels = None if not shape else np.asarray([_pixel_shape(s) for s in shape])
+        report = compile_job(
+            load_trainingjob_file(file),
+            pixels=pixels,
+            layers=layers,
+            remat=remat,
+            capacity_bytes=None if hbm_gib is None else int(hbm_gib * 2**30),
+        )
+    except (InvalidTrainingJob, ValueError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(report.as_dict()) if json_out else report.text())
+    if not report.fits:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("run")(run)
     app.command("plan")(plan)
+    app.command("compile")(compile_)

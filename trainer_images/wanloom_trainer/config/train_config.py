@@ -20,6 +20,7 @@ Environment (names in ``wanloom_operator.api.keys``; docs/startup-contract.md):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,10 +46,12 @@ class ModelConfig:
     adaln: Literal["fused", "reference"]
     attention: Literal["xla", "splash", "sdpa", "flash"]
     remat: Literal["none", "full", "save-matmuls", "save-attention"]
+    num_layers: int | None = None  # fewer blocks than the variant has (wanloom compile --layers); None: all
 
     @property
     def wan(self) -> WanVariant:
-        return get_variant(self.variant)
+        variant = get_variant(self.variant)
+        return variant if self.num_layers is None else dataclasses.replace(variant, num_layers=self.num_layers)
 
     @property
     def num_experts(self) -> int:

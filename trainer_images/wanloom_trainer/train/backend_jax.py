@@ -71,7 +71,8 @@ def _check_local_devices(config: TrainConfig, devices: Sequence[jax.Device] | No
         )
 
 
-def _pad_rows(n: int) -> int:
+def pad_rows(n: int) -> int:
+    """Rows per rank of a slot as compiled: the next power of two, so a run compiles few distinct shapes."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -102,7 +103,7 @@ class JaxBackend:
             self._param_shardings,
             transform_non_params=lambda _: self.shardings.replicated,
         )
-        self._fns: StepFns = make_step_fns(
+        self.step_fns: StepFns = make_step_fns(
             self._graphdef,
             config.optimizer,
             param_shardings=self._param_shardings,
@@ -208,8 +209,8 @@ class JaxBackend:
         for slot in slots:
             e = slot.expert
             if grads[e] is None:
-                grads[e] = self._fns.zeros(state.params[e])
-            grads[e], loss = self._fns.accumulate(state.params[e], grads[e], self._device_batch(slot))
+                grads[e] = self.step_fns.zeros(state.params[e])
+            grads[e], loss = self.step_fns.accumulate(state.params[e], grads[e], self._device_batch(slot))
             loss_sums[e].append(loss)
         return grads, [float(sum(float(x) for x in sums)) for sums in loss_sums]
 
@@ -223,7 +224,7 @@ class JaxBackend:
             if grads[e] is None:
                 raise ValueError(f"step {inputs.step}: expert {e} has {inputs.expert_samples[e]} samples but no slot")
             lr = jnp.asarray(inputs.learning_rates[e], jnp.float32)
-            params[e], opt[e], norms[e] = self._fns.update(params[e], opt[e], grads[e], lr)
+            params[e], opt[e], norms[e] = self.step_fns.update(params[e], opt[e], grads[e], lr)
         outputs = StepOutputs(
             tuple(
                 ExpertOutputs(
@@ -239,7 +240,7 @@ class JaxBackend:
 
     def evaluate(self, state: JaxState, slot: Slot) -> float:
         """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
-        return float(self._fns.evaluate(state.params[slot.expert], self._device_batch(slot)))
+        return float(self.step_fns.evaluate(state.params[slot.expert], self._device_batch(slot)))
 
     def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
         if self._checkpointer is None:
@@ -250,11 +251,12 @@ class JaxBackend:
         if self._checkpointer is None or self._checkpointer.latest_step() is None:
             return None
         step = self._checkpointer.latest_step()
-        template = _as_tree(state) if state is not None else self._abstract_state()
+        template = _as_tree(state) if state is not None else self.abstract_state()
         tree, meta = self._checkpointer.restore(step, template)
         return Restored(JaxState(tuple(tree["params"]), tuple(tree["opt"])), step, meta)
 
-    def _abstract_state(self) -> dict[str, Any]:
+    def abstract_state(self) -> dict[str, Any]:
+        """``{"params": [...], "opt": [...]}`` per expert as sharded ``ShapeDtypeStruct``s (restore, AOT compile)."""
         _, params = nnx.split(self._abstract_model(), nnx.Param)
         opt = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -282,7 +284,7 @@ class JaxBackend:
         rows = {r.rows for r in slot.ranks.values()}
         if len(rows) != 1:
             raise ValueError(f"an spmd slot must give every rank the same rows, got {sorted(rows)}")
-        b = _pad_rows(rows.pop())
+        b = pad_rows(rows.pop())
         padded = {rank: _pad(_host_arrays(rr), b) for rank, rr in slot.ranks.items()}
         num_ranks = self.config.parallel.batch_ranks
         sharding = self.shardings.batch_b

@@ -39,7 +39,7 @@ def compile_case(work: str, topology: str, slices: int, *degrees: int) -> dict:
     model = dataclasses.replace(base.model, adaln="fused", attention="splash")
     config = dataclasses.replace(base, parallel=ParallelConfig(*degrees), model=model)
     backend = JaxBackend(config, devices=devices)
-    params = backend._abstract_state()["params"][0]
+    params = backend.abstract_state()["params"][0]
     rows = lambda *shape: jax.ShapeDtypeStruct((ROWS, *shape), jnp.float32, sharding=backend.shardings.batch_b)
     latent = (4, 3, 8, 8)  # 3 frames of 8x8 latents: 48 tokens, a multiple of context x tensor
     batch = {
@@ -50,7 +50,7 @@ def compile_case(work: str, topology: str, slices: int, *degrees: int) -> dict:
         "weights": rows(),
     }
     start = time.perf_counter()
-    lowered = backend._fns.accumulate.lower(params, params, batch)
+    lowered = backend.step_fns.accumulate.lower(params, params, batch)
     compiled = lowered.compile()
     memory = compiled.memory_analysis()
     return {

@@ -1,0 +1,245 @@
+"""``wanloom compile``: the TPU job's real training step compiled ahead of time on any host (libtpu, no TPU).
+
+What is compiled is what the trainer runs: the job's mesh (data × fsdp × context × tensor over the tpu7x topology's
+devices, a hybrid mesh across slices), its remat policy, kernels and attention, and for every shape bucket the
+micro-batch AdaptiveLoad gives one data-parallel rank (``memoryBudgetTokens // tokens`` rows, padded to a power of
+two as the backend pads them). Both experts share one architecture and so one program: the gradient accumulation
+(forward + backward of a slot) and the AdamW update are compiled once each and their memory is added to what stays
+resident, both experts' parameters and optimizer states. No parameter is allocated.
+
+Peak per device = resident state of both experts + the program's arguments beyond the expert's own parameters (and,
+for the update, its optimizer state) + temporaries + outputs not aliased to inputs, from XLA's
+``memory_analysis()``; the capacity is the HBM of one JAX device (``HBM_BYTES_PER_DEVICE``). ``cost_analysis()`` is
+not used: it omits Pallas kernels and counts a scan body once (MFU keeps the analytic FLOPs of ``flops.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from wanloom_trainer.config.train_config import TrainConfig
+
+# TPU v7x (Ironwood): 192 GiB of HBM per chip, two TensorCores per chip, each its own JAX device (the topology
+# descriptions list 2 devices per chip), so one device addresses half: 96 GiB. Seed 000 reports 94.7 GB usable.
+HBM_BYTES_PER_DEVICE = {"tpu7x": 96 * 2**30}
+# The shape a job is compiled at when it names no buckets: each variant's flagship training clip (pixels F×H×W).
+REFERENCE_PIXELS = {
+    "wan2.2-t2v-a14b": (81, 720, 1280),
+    "wan2.2-i2v-a14b": (81, 720, 1280),
+    "wan2.2-ti2v-5b": (121, 704, 1280),
+}
+
+
+@dataclass(frozen=True)
+class ProgramMemory:
+    """One compiled program at one micro-batch shape."""
+
+    program: str  # "accumulate" (forward + backward of one slot) or "update" (AdamW)
+    latent_shape: tuple[int, int, int]
+    rows_per_rank: int
+    tokens_per_row: int
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # per device, with the resident state
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    job: str
+    topology: str
+    slices: int
+    devices: int
+    mesh: dict[str, int]
+    remat: str
+    layers: int
+    resident_bytes: int
+    capacity_bytes_per_device: int
+    programs: list[ProgramMemory]
+
+    @property
+    def peak_bytes_per_device(self) -> int:
+        return max(p.peak_bytes for p in self.programs)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes_per_device <= self.capacity_bytes_per_device
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "programs"},
+            "compiled": True,
+            "fits": self.fits,
+            "peak_bytes_per_device": self.peak_bytes_per_device,
+            "programs": [asdict(p) for p in self.programs],
+        }
+
+    def text(self) -> str:
+        gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        mesh = " × ".join(f"{k} {v}" for k, v in self.mesh.items())
+        lines = [
+            f"TrainingJob {self.job}: {self.slices} × tpu7x:{self.topology} = {self.devices} devices, mesh {mesh}, "
+            f"remat {self.remat}, {self.layers} layers",
+            f"resident per device (both experts: parameters + optimizer state): {gib(self.resident_bytes)}; "
+            f"capacity {gib(self.capacity_bytes_per_device)} per device (tpu7x: 192 GiB per chip, 2 devices)",
+            "| program | latent T'×H'×W' | rows/rank × tokens | compile s | arguments | temporaries | peak/device "
+            "| fits |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for p in self.programs:
+            fits = "yes" if p.peak_bytes <= self.capacity_bytes_per_device else "NO"
+            lines.append(
+                f"| {p.program} | {'×'.join(map(str, p.latent_shape))} | {p.rows_per_rank} × {p.tokens_per_row:,} | "
+                f"{p.compile_seconds:.1f} | {gib(p.argument_bytes)} | {gib(p.temp_bytes)} | {gib(p.peak_bytes)} | "
+                f"{fits} |"
+            )
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"peak {gib(self.peak_bytes_per_device)} per device: {verdict}")
+        return "\n".join(lines)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (the largest shard of each leaf)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compile_shapes(config: TrainConfig, pixels: np.ndarray | None = None) -> np.ndarray:
+    """Latent shapes [k, 3] to compile: the given pixel shapes (F, H, W), else the job's buckets, else the
+    variant's reference clip."""
+    from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels
+
+    if pixels is None and config.adaptive_load.buckets is not None:
+        pixels = np.asarray(config.adaptive_load.buckets)
+    if pixels is None:
+        reference = REFERENCE_PIXELS.get(config.model.variant)
+        if reference is None:
+            raise ValueError(
+                f"wanloom compile: spec.adaptiveLoad.buckets is unset and {config.model.variant} has no reference "
+                "shape; name the shapes with spec.adaptiveLoad.buckets or --shape FxHxW"
+            )
+        pixels = np.asarray([reference])
+    return latent_shapes_for_pixels(config.model.wan, np.atleast_2d(pixels))
+
+
+def _tpu_devices(job: Any) -> tuple[str, int, list[Any]]:
+    from jax.experimental import topologies
+
+    tpu = job.spec.resources.tpu
+    if tpu is None:
+        raise ValueError(
+            "wanloom compile: spec.resources.tpu is unset; compile targets TPU v7x slices (GPU jobs are checked by "
+            "benchmarks/adaln_kernels.py --aot)"
+        )
+    name = f"tpu7x:{tpu.topology}"
+    devices = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=tpu.slices).devices
+    return tpu.topology, tpu.slices, list(devices)
+
+
+def _batch(backend: Any, config: TrainConfig, latent: tuple[int, ...], rows: int) -> dict[str, Any]:
+    """Abstract global arrays of one slot, sharded as the backend places them."""
+    import jax
+    import jax.numpy as jnp
+
+    wan = config.model.wan
+    total = rows * config.parallel.batch_ranks
+    spec = lambda *shape: jax.ShapeDtypeStruct((total, *shape), jnp.float32, sharding=backend.shardings.batch_b)
+    batch = {
+        "latents": spec(wan.out_channels, *latent),
+        "noise": spec(wan.out_channels, *latent),
+        "text": spec(wan.text_len, wan.text_dim),
+        "timesteps": spec(),
+        "weights": spec(),
+    }
+    if wan.in_channels > wan.out_channels:  # image-to-video: mask + encoded first frame appended to x_t
+        batch["condition"] = spec(wan.in_channels - wan.out_channels, *latent)
+    return batch
+
+
+def _memory(compiled: Any) -> tuple[int, int, int, int]:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes
+
+
+def compile_job(
+    job: Any,
+    *,
+    pixels: np.ndarray | None = None,
+    layers: int | None = None,
+    remat: str | None = None,
+    capacity_bytes: int | None = None,
+) -> CompileReport:
+    """Compile the job's step for its TPU topology and report per-device memory (see the module docstring).
+
+    Args:
+        job: a validated TrainingJob with ``spec.resources.tpu``.
+        pixels: pixel shapes (F, H, W) [k, 3] to compile at (default: the job's buckets, else the variant's
+            reference clip).
+        layers: compile a model of this depth instead of the variant's (quick checks).
+        remat: a ``spec.parallelism.remat`` value overriding the job's.
+        capacity_bytes: HBM per device (default ``HBM_BYTES_PER_DEVICE``).
+
+    Raises:
+        ValueError: naming the field when the job cannot be compiled for a TPU.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
+    from wanloom_trainer.config.train_config import from_trainingjob
+    from wanloom_trainer.train.backend_jax import JaxBackend, pad_rows
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second JAX process here must not hold libtpu
+    topology, slices, devices = _tpu_devices(job)
+    config = from_trainingjob(job, {})
+    model = config.model
+    if layers is not None:
+        model = dataclasses.replace(model, num_layers=layers)
+    if remat is not None:
+        model = dataclasses.replace(model, remat=remat)
+    config = dataclasses.replace(
+        config, model=model, checkpoint=dataclasses.replace(config.checkpoint, uri=None), run_dir=config.run_dir
+    )
+    backend = JaxBackend(config, devices=devices)
+    state = backend.abstract_state()
+    params, opt = state["params"][0], state["opt"][0]
+    resident = sum(device_bytes(p) + device_bytes(o) for p, o in zip(state["params"], state["opt"], strict=True))
+    param_bytes, opt_bytes = device_bytes(params), device_bytes(opt)
+    shapes = compile_shapes(config, pixels)
+    programs = []
+    for latent, tokens in zip(shapes, tokens_for_latents(config.model.wan, shapes), strict=True):
+        rows = pad_rows(max(1, config.adaptive_load.memory_budget_tokens // int(tokens)))
+        start = time.perf_counter()
+        compiled = backend.step_fns.accumulate.lower(params, params, _batch(backend, config, tuple(latent), rows))
+        compiled = compiled.compile()
+        args, out, alias, temp = _memory(compiled)
+        peak = resident - param_bytes + args + temp + out - alias
+        seconds = time.perf_counter() - start
+        shape = (int(latent[0]), int(latent[1]), int(latent[2]))
+        programs.append(ProgramMemory("accumulate", shape, rows, int(tokens), seconds, args, out, alias, temp, peak))
+    start = time.perf_counter()
+    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=backend.shardings.replicated)
+    compiled = backend.step_fns.update.lower(params, opt, params, lr).compile()
+    args, out, alias, temp = _memory(compiled)
+    peak = resident - param_bytes - opt_bytes + args + temp + out - alias
+    programs.append(ProgramMemory("update", (0, 0, 0), 0, 0, time.perf_counter() - start, args, out, alias, temp, peak))
+    mesh = {name: int(size) for name, size in backend.mesh.shape.items()}
+    capacity = capacity_bytes or HBM_BYTES_PER_DEVICE["tpu7x"]
+    return CompileReport(
+        job.metadata.name, topology, slices, len(devices), mesh, config.model.remat, config.model.wan.num_layers,
+        resident, capacity, programs,
+    )  # fmt: skip
