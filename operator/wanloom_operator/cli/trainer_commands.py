@@ -26,6 +26,7 @@ def run(
         Path | None, typer.Option(help="Where the step log, loss plot and process logs go. Default: runs/<name>.")
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    debug: Annotated[bool, typer.Option(help="Show the traceback of a failed run.")] = False,
 ) -> None:
     """Train a TrainingJob locally: synthetic data if asked, both experts, checkpoints, a loss plot, metrics."""
     from wanloom_trainer.train import launch
@@ -44,8 +45,37 @@ def run(
         raise typer.Exit(launch.run_processes(job, processes, run_dir=where, metrics_port=port))
     if port:
         typer.echo(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
-    result = launch.run_in_process(job, run_dir=where, metrics_port=port, progress=progress)
+    try:
+        result = launch.run_in_process(job, run_dir=where, metrics_port=port, progress=progress)
+    except _user_errors() as exc:
+        if debug:
+            raise
+        typer.echo(f"wanloom run: {_explain(exc)} (--debug shows the traceback)", err=True)
+        raise typer.Exit(1) from None
     _summary(result, where)
+
+
+def _explain(exc: BaseException) -> str:
+    if type(exc).__name__ == "DefaultCredentialsError":  # google.auth's message names neither the job nor a fix
+        return (
+            f"no Google Cloud credentials for the job's gs:// URIs ({exc}); set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "key file, run `gcloud auth application-default login`, or use Workload Identity on GKE"
+        )
+    return str(exc)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures the user fixes in the job, the data or the credentials; their messages name the field or file."""
+    from wanloom_trainer.data.skips import TooManyBadSamples
+
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, PermissionError, TooManyBadSamples]
+    try:
+        from google.auth.exceptions import DefaultCredentialsError
+
+        errors.append(DefaultCredentialsError)
+    except ImportError:  # no GCS client installed: no gs:// URIs either
+        pass
+    return tuple(errors)
 
 
 def _summary(result: object, run_dir: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -30,3 +33,68 @@ def test_plan_without_a_dataset_says_how_to_make_one(tmp_path: Path, monkeypatch
     result = CliRunner().invoke(app, ["plan", str(ROOT / "jobs" / "tiny-local.yaml")])
     assert result.exit_code == 1
     assert "index" in result.output
+
+
+def _job(tmp_path: Path, data_uri: str, *, synthetic: bool = False, max_bad: int | None = None) -> Path:
+    """tiny-local with its data somewhere else (and without generating it unless ``synthetic``)."""
+    text = (ROOT / "jobs" / "tiny-local.yaml").read_text()
+    text = text.replace("uri: runs/tiny-local/data", f"uri: {data_uri}")
+    text = text.replace("uri: runs/tiny-local/checkpoints", f"uri: {tmp_path / 'checkpoints'}")
+    if not synthetic:
+        text = text.replace("    synthetic:\n      samples: 32\n      seed: 0\n", "")
+    if max_bad is not None:
+        text = text.replace("  data:\n", f"  data:\n    maxBadSamples: {max_bad}\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def _run(job: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    args = ["run", str(job), "--steps", "2", "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path / "r")]
+    return subprocess.run(
+        [sys.executable, "-c", code, *args, *extra],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def _one_line_error(run: subprocess.CompletedProcess, *needles: str) -> None:
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    line = next(line for line in run.stderr.splitlines() if line.startswith("wanloom run: "))
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_run_without_a_dataset_names_the_file_and_the_fix(tmp_path: Path) -> None:
+    run = _run(_job(tmp_path, str(tmp_path / "nothing")), tmp_path)
+    _one_line_error(run, f"{tmp_path / 'nothing' / 'index.json'}", "wanloom data prepare", "spec.data.synthetic")
+    assert "Traceback" in _run(_job(tmp_path, str(tmp_path / "nothing")), tmp_path, "--debug").stderr
+
+
+def test_run_with_a_corrupt_index_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "index.json").write_text("{not json")
+    _one_line_error(_run(_job(tmp_path, str(tmp_path / "data")), tmp_path), "index.json: not valid JSON")
+
+
+def test_run_without_gcs_credentials_says_how_to_provide_them(tmp_path: Path) -> None:
+    env = {"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing-key.json")}
+    env |= {"STORAGE_EMULATOR_HOST": "", "GOOGLE_CLOUD_PROJECT": "wanloom-test"}
+    run = _run(_job(tmp_path, "gs://wanloom-no-bucket/data"), tmp_path, env=env)
+    _one_line_error(run, "no Google Cloud credentials", "GOOGLE_APPLICATION_CREDENTIALS", "missing-key.json")
+
+
+def test_run_with_too_many_bad_samples_says_which_and_what_to_do(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = _run(_job(tmp_path, str(data), synthetic=True), tmp_path)  # writes the synthetic dataset, trains
+    assert first.returncode == 0, first.stderr[-3000:]
+    shards = sorted(data.rglob("*.tar"))
+    assert shards
+    for shard in shards:  # overwrite every shard's payload: each sample fails its CRC
+        raw = bytearray(shard.read_bytes())
+        raw[1024:-1024] = bytes(len(raw) - 2048)
+        shard.write_bytes(bytes(raw))
+    again = tmp_path / "again"  # fresh checkpoints: the run must read the data again
+    again.mkdir()
+    _one_line_error(_run(_job(again, str(data), max_bad=0), again), "spec.data.maxBadSamples")
