@@ -76,6 +76,18 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef("wanloom_learning_rate", "gauge", "Learning rate of the last step, per expert.", _TE),
     MetricDef("wanloom_expert_steps_total", "counter", "Optimizer steps that updated each expert.", _TE),
     MetricDef("wanloom_expert_samples_total", "counter", "Training samples routed to each expert.", _TE),
+    MetricDef(
+        "wanloom_expert_expected_share_ratio",
+        "gauge",
+        "Fraction of samples the configured timestep distribution routes to each expert (0-1).",
+        _TE,
+    ),
+    MetricDef(
+        "wanloom_expert_sample_share_ratio",
+        "gauge",
+        "Fraction of this run's samples routed to each expert so far (0-1); compare with the expected share.",
+        _TE,
+    ),
     MetricDef("wanloom_step", "gauge", "Last completed optimizer step.", _T),
     MetricDef("wanloom_total_steps", "gauge", "Configured number of optimizer steps.", _T),
     MetricDef(

@@ -30,6 +30,16 @@ DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
     "wan2.2-ti2v-5b": None,
     "tiny": 0.875,
 }
+# Training timestep distribution per variant when spec.routing leaves it unset: DiffSynth-Studio's Wan 2.2 recipe
+# (examples/wanvideo/model_training: FlowMatchScheduler with shift 5, timestep index drawn uniformly; its A14B
+# scripts split the experts at index fraction 0.358 = t 900 for I2V). Uniform with shift 5 sends 41.7% of T2V
+# samples to the high-noise expert (t >= 875) and 35.7% of I2V ones (t >= 900); logit-normal with shift 1 sent 2.6%.
+DEFAULT_TIMESTEPS: dict[str, tuple[Literal["uniform", "logit-normal"], float]] = {
+    "wan2.2-t2v-a14b": ("uniform", 5.0),
+    "wan2.2-i2v-a14b": ("uniform", 5.0),
+    "wan2.2-ti2v-5b": ("uniform", 5.0),
+    "tiny": ("uniform", 1.0),
+}
 DType = Literal["float32", "bfloat16"]
 Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Invalid"]
 
@@ -65,10 +75,17 @@ class RoutingSpec(_Model):
     mode: Literal["per-sample", "per-batch"] = Field(
         "per-sample", description="per-sample: each sample's t picks its expert; per-batch: one draw per step."
     )
-    sampling: Literal["uniform", "logit-normal"] = Field("logit-normal", description="Timestep distribution.")
+    sampling: Literal["uniform", "logit-normal"] | None = Field(
+        None, description="Timestep distribution. Default per variant: uniform (DiffSynth-Studio's Wan 2.2 recipe)."
+    )
     logit_mean: float = Field(0.0, description="Mean of the logit-normal sampler.")
     logit_std: float = Field(1.0, gt=0.0, description="Standard deviation of the logit-normal sampler.")
-    shift: float = Field(1.0, gt=0.0, description="Time shift s: sigma' = s*sigma/(1+(s-1)*sigma); 1 disables it.")
+    shift: float | None = Field(
+        None,
+        gt=0.0,
+        description="Time shift s: sigma' = s*sigma/(1+(s-1)*sigma); 1 disables it. Default per variant: 5 for Wan 2.2 "
+        "(DiffSynth-Studio's recipe: 42% of T2V samples reach the high-noise expert), 1 for tiny.",
+    )
     loss_weighting: Literal["none", "bell"] = Field(
         "none", description="Per-timestep loss weight, normalised over the 1000-point grid."
     )
@@ -285,6 +302,13 @@ class TrainingJobSpec(_Model):
     active_deadline_seconds: int | None = Field(None, ge=1, description="Wall-clock limit of the whole run.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the JobSet this long after it ends.")
     metrics_port: int = Field(9090, ge=1024, le=65535, description="Trainer Prometheus port.")
+
+    @property
+    def timestep_sampling(self) -> tuple[Literal["uniform", "logit-normal"], float]:
+        """(sampling, shift): the spec's where set, else the variant's recipe (``DEFAULT_TIMESTEPS``)."""
+        sampling, shift = DEFAULT_TIMESTEPS[self.model.variant]
+        r = self.routing
+        return r.sampling or sampling, shift if r.shift is None else r.shift
 
     @property
     def boundary_ratio(self) -> float | None:

@@ -43,6 +43,8 @@ def test_plan_prints_buckets_and_policies(tmp_path, dataset):
     out = run_plan(write_job(tmp_path, dataset, "{cpu: {nodes: 1, devicesPerNode: 4}}"))
     assert "120 samples, 4 data-parallel ranks, layout spmd" in out
     assert "analytic FLOPs" in out
+    # tiny: uniform, shift 1, boundary 0.875 -> 12.5% of samples to the high-noise expert
+    assert "routing: uniform timesteps, shift 1; expected share of samples: high-noise expert (t >= 875) 12.5%" in out
     for word in ("latent (T,H,W)", "B equal", "B paper", "equal-tokens", "paper", "balanced *", "load CV"):
         assert word in out
 

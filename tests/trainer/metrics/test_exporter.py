@@ -54,6 +54,7 @@ def _exported_names(m: TrainerMetrics) -> set[str]:
 
 
 def _record_everything(m: TrainerMetrics) -> None:
+    m.record_expected_shares((0.4167, 0.5833))
     m.record_step(_record())
     m.record_checkpoint(step=7, duration_s=3.0, timestamp=1.8e9)
     m.record_skipped("corrupt", 2)
@@ -237,3 +238,14 @@ def test_importing_the_exporter_pulls_in_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = {name.split(".")[0] for name in out.stdout.split()}
     assert not loaded & {"jax", "torch", "flax", "triton", "kopf", "kubernetes"}
+
+
+def test_expert_shares_expected_and_so_far() -> None:
+    m = _metrics(0)
+    m.record_expected_shares((0.4167, 0.5833))
+    m.record_step(_record(expert_samples={0: 3, 1: 5}))
+    m.record_step(_record(step=8, expert_samples={0: 1, 1: 3}))
+    assert _value(m, "wanloom_expert_expected_share_ratio", expert="high_noise") == pytest.approx(0.4167)
+    assert _value(m, "wanloom_expert_expected_share_ratio", expert="low_noise") == pytest.approx(0.5833)
+    assert _value(m, "wanloom_expert_sample_share_ratio", expert="high_noise") == pytest.approx(4 / 12)
+    assert _value(m, "wanloom_expert_sample_share_ratio", expert="low_noise") == pytest.approx(8 / 12)

@@ -63,6 +63,18 @@ def policy_table(results: dict[str, SimResult], chosen: str) -> str:
     return "\n".join(lines)
 
 
+def _expert_share_line(config: Any) -> str:
+    r = config.routing
+    shares = config.routing.expected_shares()
+    where = f"{r.sampling} timesteps, shift {r.shift:g}"
+    if len(shares) == 1:
+        return f"routing: {where}; one model takes every sample"
+    return (
+        f"routing: {where}; expected share of samples: high-noise expert (t >= {r.boundary_ratio * 1000:g}) "
+        f"{shares[0]:.1%}, low-noise {shares[1]:.1%}"
+    )
+
+
 def run_plan(trainingjob_path: str | Path, bench: Path | None = None, steps: int = PLAN_STEPS) -> str:
     """The report of ``wanloom plan`` for a TrainingJob file (see the module docstring)."""
     from wanloom_operator.api.validation import load_trainingjob_file
@@ -82,6 +94,7 @@ def run_plan(trainingjob_path: str | Path, bench: Path | None = None, steps: int
         f"memoryBudgetTokens {pl.config.memory_budget_tokens:,}; paper rule p = {pl.exponent:.3g}, "
         f"M_comp = {pl.compute_budget:.4g}; globalBatch {config.global_batch} (balanced)",
         f"cost model: {cost.description}",
+        _expert_share_line(config),
     ]
     if cost.fit is not None:
         head.append(cost.fit.summary())

@@ -76,6 +76,11 @@ class RoutingConfig:
         sampler = TimestepSampler(self.sampling, self.shift, self.logit_mean, self.logit_std)
         return Router(sampler, self.boundary_ratio, self.mode)
 
+    def expected_shares(self) -> tuple[float, ...]:
+        """Fraction of samples each expert id receives under this distribution: (high, low), or (1,) for one model."""
+        high = self.router().high_noise_share
+        return (high,) if self.boundary_ratio is None else (high, 1.0 - high)
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -282,13 +287,14 @@ def _model(spec: TrainingJobSpec) -> ModelConfig:
 
 def _routing(spec: TrainingJobSpec) -> RoutingConfig:
     r = spec.routing
+    sampling, shift = spec.timestep_sampling
     return RoutingConfig(
         boundary_ratio=spec.boundary_ratio,
         mode=r.mode,
-        sampling=r.sampling,
+        sampling=sampling,
         logit_mean=r.logit_mean,
         logit_std=r.logit_std,
-        shift=r.shift,
+        shift=shift,
         loss_weighting=r.loss_weighting,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
@@ -83,6 +84,7 @@ class TrainerMetrics:
         self._m = build_collectors((m for m in TRAINER_METRICS if _exported_here(m, rank)), self.registry)
         self._server: tuple[WSGIServer, Thread] | None = None
         self._unknown_accelerators: set[str] = set()
+        self._expert_samples: dict[int, int] = {}  # samples per expert id in this process, for the share gauge
         # Series at 0 from the start, so rate() and increase() see the first skip instead of a new series.
         for reason in SKIP_REASONS:
             self._metric("wanloom_skipped_samples_total").labels(trainingjob, reason)
@@ -174,9 +176,24 @@ class TrainerMetrics:
             # .labels() alone creates the series at 0, so rate() sees an expert's first samples too.
             samples = self._metric("wanloom_expert_samples_total").labels(self.trainingjob, label)
             steps = self._metric("wanloom_expert_steps_total").labels(self.trainingjob, label)
+            self._expert_samples[expert] = self._expert_samples.get(expert, 0) + n
             if n > 0:
                 samples.inc(n)
                 steps.inc()
+        total = sum(self._expert_samples.values())
+        for expert, n in self._expert_samples.items():
+            share = self._metric("wanloom_expert_sample_share_ratio").labels(self.trainingjob, expert_label(expert))
+            share.set(n / total if total else 0.0)
+
+    def record_expected_shares(self, shares: Sequence[float]) -> None:
+        """The configured distribution's share of samples per expert id (``RoutingConfig.expected_shares``); rank 0
+        exports it, other ranks ignore the call."""
+        if self.rank != 0:
+            return
+        for expert, share in enumerate(shares):
+            self._metric("wanloom_expert_expected_share_ratio").labels(self.trainingjob, expert_label(expert)).set(
+                share
+            )
 
     def _metric(self, name: str) -> MetricWrapperBase:
         return self._m[name]

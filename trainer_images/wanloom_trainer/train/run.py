@@ -63,6 +63,7 @@ def run(
         stack.callback(backend.close)
         metrics = start_exporter(config, backend.process_index)  # first: the loader reports skipped samples
         stack.callback(metrics.close)
+        metrics.record_expected_shares(config.routing.expected_shares())
         dataset = open_data(config, backend, on_skip=metrics.record_skipped)  # 2. data
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
