@@ -32,7 +32,9 @@ def main() -> int:
     result = run(config, progress=sys.stderr.isatty())
     if result.plot is not None:
         logging.getLogger("wanloom_trainer").info("loss curve: %s", result.plot)
-    return 0
+    # Stopped by SIGTERM after a committed checkpoint: exit as the signal would (128 + 15), so the pod is not
+    # counted as Succeeded and the JobSet restarts it from that checkpoint.
+    return 143 if result.stopped_by else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import typer
 
 from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file
 
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: the run checkpointed and stopped early
+
 
 def run(
     file: Annotated[Path, typer.Argument(help="TrainingJob YAML, e.g. jobs/tiny-local.yaml.")],
@@ -53,6 +55,10 @@ def run(
         typer.echo(f"wanloom run: {_explain(exc)} (--debug shows the traceback)", err=True)
         raise typer.Exit(1) from None
     _summary(result, where)
+    if getattr(result, "stopped_by", None):
+        # 128 + SIGTERM, as if the signal had ended the process: a pod stopped this way is not "Succeeded".
+        typer.echo(f"stopped by {result.stopped_by} at step {result.next_step}; run the same command to resume")
+        raise typer.Exit(STOPPED_EXIT_CODE)
 
 
 def _explain(exc: BaseException) -> str:

@@ -82,6 +82,10 @@ class OrbaxCheckpointer:
         leaves = [restored["state"][name] for name in flat]
         return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored["meta"])
 
+    def saving(self) -> bool:
+        """True while an asynchronous save has not committed."""
+        return self._manager.is_saving_in_progress()
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

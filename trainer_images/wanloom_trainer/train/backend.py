@@ -144,6 +144,14 @@ class Backend(Protocol):
         May finish in the background; returns the seconds the caller was blocked."""
         ...
 
+    def checkpoint_pending(self) -> bool:
+        """True while a checkpoint ``save`` started is still being written (not yet committed)."""
+        ...
+
+    def wait_checkpoint(self) -> None:
+        """Block until the last checkpoint ``save`` started is committed."""
+        ...
+
     def restore(self, state: Any | None = None) -> Restored | None:
         """The latest checkpoint, or None when checkpoints are disabled or none exists yet. With ``state`` None
         the backend restores without a template (JAX reads straight into its shardings, no initialisation)."""

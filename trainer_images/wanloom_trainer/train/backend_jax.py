@@ -247,6 +247,13 @@ class JaxBackend:
             raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
         return self._checkpointer.save(next_step, _as_tree(state), meta)
 
+    def checkpoint_pending(self) -> bool:
+        return self._checkpointer is not None and self._checkpointer.saving()
+
+    def wait_checkpoint(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
     def restore(self, state: JaxState | None = None) -> Restored | None:
         if self._checkpointer is None or self._checkpointer.latest_step() is None:
             return None

@@ -184,6 +184,12 @@ class TorchBackend:
         self._store.save(training_state(*self._by_name(state)), next_step, meta)
         return time.perf_counter() - start
 
+    def checkpoint_pending(self) -> bool:
+        return False  # DCP saves synchronously: save() returns once the checkpoint is committed
+
+    def wait_checkpoint(self) -> None:
+        return None
+
     def restore(self, state: TorchState | None = None) -> Restored | None:
         from wanloom_trainer.checkpoint.dcp_checkpoint import apply_training_state, training_state
 

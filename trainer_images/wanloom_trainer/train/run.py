@@ -14,10 +14,13 @@ the uninterrupted run would have done.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +43,31 @@ class RunResult:
     start_step: int
     next_step: int
     records: list[StepLog] = field(default_factory=list)  # steps run by this call (process 0 only)
-    checkpoints: list[int] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)  # committed, in order
     plot: Path | None = None
+    stopped_by: str | None = None  # the signal that ended the run early (after a committed checkpoint)
+
+
+class StopRequest:
+    """SIGTERM (preemption, maintenance, ``kubectl delete``) asks the loop to checkpoint and stop after the current
+    step; the handler only sets a flag, the loop does the work on the main thread."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield self
+            return
+        previous = signal.signal(signal.SIGTERM, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def make_backend(config: TrainConfig) -> Backend:
@@ -73,7 +99,8 @@ def run(
         )
         stack.callback(reporter.close)
         result = RunResult(start_step=start, next_step=start)
-        loop = _Loop(config, backend, dataset, planner, reporter, result, on_step)
+        stop = stack.enter_context(StopRequest().installed())
+        loop = _Loop(config, backend, dataset, planner, reporter, result, on_step, stop)
         state = loop.run(state, start, meta)  # 5. loop
         finish(config, backend, result, reporter)  # 6. finish
     return result
@@ -120,9 +147,12 @@ class _Loop:
         reporter: Reporter,
         result: RunResult,
         on_step: StepHook | None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.config, self.backend, self.dataset, self.planner = config, backend, dataset, planner
         self.reporter, self.result, self.on_step = reporter, result, on_step
+        self.stop = stop or StopRequest()
+        self.pending: tuple[int, float] | None = None  # (next_step, start) of a save not yet committed
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
         self.prefetchers: list[Any] = []
@@ -139,10 +169,48 @@ class _Loop:
                 prefetcher.load_state_dict({"next_step": start, "dataset": meta.get("data", {}).get("dataset", {})})
             for step_data in zip(*self.prefetchers, strict=True):
                 state = self.step(state, step_data)
+                if self._stop_requested():
+                    self._stop(state)
+                    break
         finally:
             for prefetcher in self.prefetchers:
                 prefetcher.close()
+        self._report_commit(wait=True)
         return state
+
+    def _stop_requested(self) -> bool:
+        """Every process stops at the same step: a SIGTERM seen by any process stops them all."""
+        requested = self.stop.signal is not None
+        if self.backend.process_count > 1:
+            requested = max(self.backend.gather_floats(1.0 if requested else 0.0)) > 0
+        return requested
+
+    def _stop(self, state: Any) -> None:
+        next_step = self.result.next_step
+        if self.config.checkpoint.uri is not None and next_step not in (self.result.checkpoints + self._pending()):
+            self.save(state, next_step)
+        self._report_commit(wait=True)
+        self.result.stopped_by = self.stop.signal or "a peer's SIGTERM"
+        log.warning("stopped by %s after step %d; checkpoint committed: %s", self.result.stopped_by, next_step,
+                    self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
+
+    def _pending(self) -> list[int]:
+        return [] if self.pending is None else [self.pending[0]]
+
+    def _report_commit(self, *, wait: bool) -> None:
+        """Report the pending save once it has committed (the metric, status and log follow commits only)."""
+        if self.pending is None:
+            return
+        if wait:
+            self.backend.wait_checkpoint()
+        elif self.backend.checkpoint_pending():
+            return
+        next_step, started = self.pending
+        self.pending = None
+        seconds = time.perf_counter() - started
+        self.reporter.checkpoint(next_step, seconds)
+        self.result.checkpoints.append(next_step)
+        log.info("checkpoint for step %d committed (%.1f s after the save started)", next_step, seconds)
 
     def step(self, state: Any, step_data: tuple[Any, ...]) -> Any:
         cfg = self.config
@@ -168,6 +236,7 @@ class _Loop:
             self.result.records.append(record)
         if self.on_step is not None:
             self.on_step(record)
+        self._report_commit(wait=False)
         if self._checkpoint_due(plan.step + 1):
             self.save(state, plan.step + 1)
         return state
@@ -187,9 +256,11 @@ class _Loop:
             # Plans, timesteps and noise are functions of (seed, step): the loader's position is next_step.
             "data": self.prefetchers[0].state_dict() if self.prefetchers else {"next_step": next_step},
         }
-        seconds = self.backend.save(state, next_step, meta)
-        self.reporter.checkpoint(next_step, seconds)
-        self.result.checkpoints.append(next_step)
+        self._report_commit(wait=True)  # one save in flight at a time
+        started = time.perf_counter()
+        self.backend.save(state, next_step, meta)
+        self.pending = (next_step, started)
+        self._report_commit(wait=False)  # synchronous backends have committed already
 
 
 def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: Reporter) -> None:

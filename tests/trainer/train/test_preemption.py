@@ -1,0 +1,121 @@
+"""SIGTERM (preemption, maintenance) during `wanloom run`: the run checkpoints after the current step, exits 143
+(128 + SIGTERM, so a pod stopped this way is not Succeeded) and resumes from that step. A real signal to a real
+process, on both backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+CLI = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+
+
+def _job(tmp_path: Path, name: str) -> Path:
+    text = (ROOT / "jobs" / f"{name}.yaml").read_text()
+    text = text.replace(f"uri: runs/{name}/data", f"uri: {tmp_path / 'data'}")
+    text = text.replace(f"uri: runs/{name}/checkpoints", f"uri: {tmp_path / 'ckpt'}")
+    text = text.replace("interval: 50", "interval: 100000")  # only the SIGTERM writes a checkpoint
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def _records(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _wanloom(job: Path, tmp_path: Path, steps: int) -> subprocess.Popen:
+    args = ["run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path)]
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ}, cwd=tmp_path,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-local", "tiny-local-torch"])
+def test_sigterm_checkpoints_the_current_step_and_the_run_resumes_there(tmp_path: Path, name: str) -> None:
+    job = _job(tmp_path, name)
+    proc = _wanloom(job, tmp_path, steps=100_000)
+    deadline = time.monotonic() + 300
+    while len(_records(tmp_path / "steps.jsonl")) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not reach step 3"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    stopped_in = time.monotonic() - sent
+    assert proc.returncode == 143, err[-3000:]
+    last = _records(tmp_path / "steps.jsonl")[-1]["step"]
+    assert f"stopped by SIGTERM at step {last + 1}" in out, out
+    # The checkpoint is the step after the last logged one, and it is committed (orbax: its folder; DCP: renamed).
+    ckpt = tmp_path / "ckpt"
+    saved = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
+    assert saved == ([str(last + 1)] if name == "tiny-local" else [f"step_{last + 1:08d}"]), saved
+    assert stopped_in < 60, stopped_in  # well inside a pod's termination grace period
+
+    (tmp_path / "again").mkdir()
+    resumed = _wanloom(job, tmp_path / "again", steps=last + 3)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"steps {last + 1}..{last + 2}" in out, out
+
+
+class _AsyncSaves:
+    """A backend whose saves commit only when the test says so (orbax's asynchronous checkpoints)."""
+
+    process_count = 1
+
+    def __init__(self) -> None:
+        self.writing = False
+
+    def save(self, state: object, next_step: int, meta: object) -> float:
+        self.writing = True
+        return 0.0
+
+    def checkpoint_pending(self) -> bool:
+        return self.writing
+
+    def wait_checkpoint(self) -> None:
+        self.writing = False
+
+
+class _Reports:
+    def __init__(self) -> None:
+        self.checkpoints: list[tuple[int, float]] = []
+
+    def checkpoint(self, next_step: int, seconds: float) -> None:
+        self.checkpoints.append((next_step, seconds))
+
+
+def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
+    from types import SimpleNamespace
+
+    from wanloom_trainer.train.run import RunResult, _Loop
+
+    loop = _Loop.__new__(_Loop)  # only the checkpoint bookkeeping: no model, no data
+    loop.config = SimpleNamespace(seed=0, model=SimpleNamespace(variant="tiny"), job_name="t",
+                                  routing=SimpleNamespace(mode="per-sample", boundary_ratio=0.875))  # fmt: skip
+    loop.backend, loop.reporter, loop.result = _AsyncSaves(), _Reports(), RunResult(0, 0)
+    loop.prefetchers, loop.pending = [], None
+    loop.save(state=None, next_step=50)
+    assert loop.reporter.checkpoints == [] and loop.result.checkpoints == []  # still being written
+    loop._report_commit(wait=False)
+    assert loop.reporter.checkpoints == []
+    loop.backend.writing = False  # committed in the background
+    loop._report_commit(wait=False)
+    assert [s for s, _ in loop.reporter.checkpoints] == [50] and loop.result.checkpoints == [50]
+    loop.save(state=None, next_step=100)
+    loop._report_commit(wait=True)  # end of the run (or SIGTERM): wait for the commit
+    assert loop.result.checkpoints == [50, 100] and all(seconds >= 0 for _, seconds in loop.reporter.checkpoints)
