@@ -93,8 +93,24 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "wanloom_skipped_samples_total",
         "counter",
-        "Corrupt or missing samples skipped by the loader.",
+        "Planned rows the loader could not fill (corrupt or missing samples), counted per draw.",
         ("trainingjob", "reason"),
+        exported_by="trainer",
+    ),
+    MetricDef(
+        "wanloom_skipped_distinct_samples_total",
+        "counter",
+        "Distinct corrupt or missing samples skipped (a sample drawn again is not counted again); "
+        "spec.data.maxBadSamples bounds this one.",
+        ("trainingjob", "reason"),
+        exported_by="trainer",
+    ),
+    MetricDef(
+        "wanloom_storage_outage_seconds",
+        "gauge",
+        "How long dataset storage has been unreachable (0 when healthy); the run fails past "
+        "spec.data.storageOutageSeconds.",
+        _T,
         exported_by="trainer",
     ),
     MetricDef("wanloom_last_checkpoint_step", "gauge", "Step of the last completed checkpoint.", _T),
@@ -149,7 +165,7 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
 )
 
 ALL_METRICS = TRAINER_METRICS + OPERATOR_METRICS
-SKIP_REASONS = ("missing", "corrupt", "io")  # values of the `reason` label of wanloom_skipped_samples_total
+SKIP_REASONS = ("missing", "corrupt")  # values of the `reason` label of the skipped-samples counters
 EXPERT_LABELS = ("high_noise", "low_noise")  # values of the `expert` label, indexed by routing's expert id
 
 

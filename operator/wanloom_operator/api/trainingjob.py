@@ -107,7 +107,14 @@ class DataSpec(_Model):
     )
     prefetch: int = Field(4, ge=0, le=64, description="Micro-batches prefetched ahead of the step.")
     max_bad_samples: int = Field(
-        100, ge=0, description="Corrupt or missing samples skipped (and counted) before the run fails."
+        100, ge=0, description="Distinct corrupt or missing samples skipped (and counted) before the run fails."
+    )
+    storage_outage_seconds: int = Field(
+        600,
+        ge=0,
+        le=86_400,
+        description="How long dataset storage may stay unreachable (the loader waits with backoff, skipping "
+        "nothing) before the run fails.",
     )
 
 

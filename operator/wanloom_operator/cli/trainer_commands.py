@@ -72,9 +72,11 @@ def _explain(exc: BaseException) -> str:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user fixes in the job, the data or the credentials; their messages name the field or file."""
+    from wanloom_trainer.data.outage import StorageOutage
     from wanloom_trainer.data.skips import TooManyBadSamples
 
     errors: list[type[BaseException]] = [ValueError, FileNotFoundError, PermissionError, TooManyBadSamples]
+    errors.append(StorageOutage)
     try:
         from google.auth.exceptions import DefaultCredentialsError
 

@@ -93,7 +93,10 @@ def test_fit_crops_to_the_aspect_then_averages() -> None:
 def test_a_corrupt_sample_is_skipped_counted_and_reported(dataset: Path, policy: str) -> None:
     calls: list[tuple[str, int]] = []
     with open_dataset(
-        str(dataset), max_bad_samples=2, on_skip=lambda r, n=1: calls.append((r, n)), bad_policy=policy
+        str(dataset),
+        max_bad_samples=2,
+        on_skip=lambda r, n=1, distinct=0: calls.append((r, n, distinct)),
+        bad_policy=policy,
     ) as ds:
         ids = _same_shape_ids(ds, 3)
         _corrupt(dataset, ds, ids[1])
@@ -106,7 +109,8 @@ def test_a_corrupt_sample_is_skipped_counted_and_reported(dataset: Path, policy:
             assert batch.size == 2 and batch.valid.all()
             assert batch.sample_ids.tolist() == [ids[0], ids[2]] and batch.positions.tolist() == [0, 2]
         np.testing.assert_array_equal(batch.latents[0], _expected(ids[0]).latents)
-        assert calls == [("corrupt", 1)] and ds.state_dict() == {"skipped_by_reason": {"corrupt": 1}}
+        assert calls == [("corrupt", 1, 1)]
+        assert ds.state_dict() == {"skipped_by_reason": {"corrupt": 1}, "bad_samples": {str(ids[1]): "corrupt"}}
 
 
 def test_known_bad_samples_are_not_fetched_again(dataset: Path) -> None:
@@ -117,7 +121,8 @@ def test_known_bad_samples_are_not_fetched_again(dataset: Path) -> None:
         before = ds.storage.stats.requests
         ds.load(ids)
         assert ds.storage.stats.requests == before + 1  # only the good one
-        assert ds.budget.skipped == 2  # but every skip counts against the budget
+        assert ds.budget.skipped == 2  # every draw is counted ...
+        assert len(ds.budget.distinct) == 1  # ... and the budget spends one sample once
 
 
 def test_missing_and_truncated_shards(dataset: Path) -> None:
@@ -150,13 +155,13 @@ def test_the_run_fails_clearly_past_max_bad_samples(dataset: Path) -> None:
         for i in ids:
             _corrupt(dataset, ds, i)
         ds.load(ids[:1])
-        with pytest.raises(TooManyBadSamples, match=r"2 samples skipped, more than data\.maxBadSamples=1"):
+        with pytest.raises(TooManyBadSamples, match=r"2 distinct samples skipped, more than data\.maxBadSamples=1"):
             ds.load(ids[1:])
 
 
 def test_skip_budget_is_restored_from_state(dataset: Path) -> None:
     with open_dataset(str(dataset), max_bad_samples=1) as ds:
-        ds.load_state_dict({"skipped_by_reason": {"io": 1}})
+        ds.load_state_dict({"skipped_by_reason": {"corrupt": 3}, "bad_samples": {"999999": "corrupt"}})
         ids = _same_shape_ids(ds, 1)
         _corrupt(dataset, ds, ids[0])
         with pytest.raises(TooManyBadSamples):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from wanloom_trainer.config.variants import get_variant
+from wanloom_trainer.data.outage import StorageOutage
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.shards import stream_shard
 from wanloom_trainer.data.storage import (
@@ -63,16 +66,37 @@ def test_flaky_emulator_is_survived_by_retries(tmp_path: Path, flaky_gcs, mode: 
     assert ds.budget.skipped == 0
 
 
-def test_persistent_outage_is_an_io_skip_that_heals(flaky_gcs) -> None:
+def test_an_outage_waits_instead_of_skipping_and_heals(flaky_gcs) -> None:
+    """Storage down past the per-request retries: the load waits (nothing skipped, the budget untouched, the outage
+    gauge rising) and returns the real rows once storage is back."""
     uri, proxy = flaky_gcs
     write_synthetic(uri, TINY, 4, seed=0, samples_per_shard=4)
-    reasons: list[str] = []
-    with open_dataset(uri, max_bad_samples=5, retry=FAST, on_skip=lambda r, n=1: reasons.append(r)) as ds:
+    skipped: list[str] = []
+    outage: list[float] = []
+    with open_dataset(
+        uri, max_bad_samples=0, retry=FAST, on_skip=lambda r, n=1, **_: skipped.append(r),
+        storage_outage_s=60, on_outage=outage.append,
+    ) as ds:  # fmt: skip
         proxy.fail_every = 1  # every download fails
-        assert not ds.load([0]).valid.any()
-        assert reasons == ["io"] and ds.storage.stats.retries == FAST.attempts - 1
-        proxy.fail_every = 0  # the outage ends: the sample was not written off
-        assert ds.load([0]).valid.all()
+        loading = ThreadPoolExecutor(1).submit(ds.load, [0])
+        deadline = time.monotonic() + 30
+        while not (outage and outage[-1] > 0.5):
+            assert time.monotonic() < deadline and not loading.done(), (outage, loading)
+            time.sleep(0.05)
+        proxy.fail_every = 0  # the outage ends
+        batch = loading.result(timeout=30)
+    assert batch.valid.all() and skipped == [] and ds.budget.skipped == 0
+    assert outage[-1] == 0.0 and max(outage) > 0.5
+
+
+def test_an_outage_longer_than_the_limit_fails_with_the_field_to_raise(flaky_gcs) -> None:
+    uri, proxy = flaky_gcs
+    write_synthetic(uri, TINY, 4, seed=0, samples_per_shard=4)
+    with open_dataset(uri, max_bad_samples=0, retry=FAST, storage_outage_s=1) as ds:
+        proxy.fail_every = 1
+        with pytest.raises(StorageOutage, match=r"unreachable for \d+ s \(spec\.data\.storageOutageSeconds=1\)"):
+            ds.load([0])
+        assert ds.budget.skipped == 0  # an outage is never a bad sample
 
 
 def test_corrupt_object_on_gcs_is_counted(gcs: str) -> None:

@@ -193,7 +193,7 @@ def test_balanced_step_has_zero_cv() -> None:
 
 def test_bad_calls_are_rejected() -> None:
     m = _metrics(0)
-    with pytest.raises(ValueError, match="n must be >= 0"):
+    with pytest.raises(ValueError, match="n and distinct must be >= 0"):
         m.record_skipped("corrupt", -1)
     with pytest.raises(ValueError, match="reason must be a non-empty"):
         m.record_skipped("")

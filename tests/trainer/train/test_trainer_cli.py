@@ -98,3 +98,36 @@ def test_run_with_too_many_bad_samples_says_which_and_what_to_do(tmp_path: Path)
     again = tmp_path / "again"  # fresh checkpoints: the run must read the data again
     again.mkdir()
     _one_line_error(_run(_job(again, str(data), max_bad=0), again), "spec.data.maxBadSamples")
+
+
+def test_steps_whose_samples_were_all_skipped_do_not_train_or_log(tmp_path: Path) -> None:
+    """Every shard broken and a generous budget: no step may update the experts or report a loss (the old loop
+    logged loss 0.0 and planned tokens for such steps and still ran AdamW)."""
+    data = tmp_path / "data"
+    first = _run(_job(tmp_path, str(data), synthetic=True), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for shard in sorted(data.rglob("*.tar")):
+        raw = bytearray(shard.read_bytes())
+        raw[1024:-1024] = bytes(len(raw) - 2048)
+        shard.write_bytes(bytes(raw))
+    again = tmp_path / "again"
+    again.mkdir()
+    run = _run(_job(again, str(data), max_bad=10_000), again)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "planned samples were skipped; the experts are not updated" in run.stderr
+    log = again / "r" / "steps.jsonl"
+    assert not log.exists() or not log.read_text().strip()  # no step trained, so none was logged
+
+
+def test_skipped_rows_leave_the_loss_normaliser() -> None:
+    import numpy as np
+
+    from wanloom_trainer.train.backend import RankRows, Slot
+    from wanloom_trainer.train.inputs import renormalised
+
+    planned, valid = 8, 6  # weights were 1/8; two rows lost their samples (weight 0)
+    w = np.array([1 / planned] * 3 + [0.0], np.float32)
+    rows = RankRows(np.arange(4), np.zeros((4, 1)), np.zeros((4, 1)), np.zeros((4, 1)), np.zeros(4), w)
+    (slot,) = renormalised([Slot(0, {0: rows})], planned / valid)
+    np.testing.assert_allclose(slot.ranks[0].weights, [1 / valid] * 3 + [0.0], rtol=1e-6)
+    assert renormalised([Slot(0, {0: rows})], 1.0)[0].ranks[0] is rows

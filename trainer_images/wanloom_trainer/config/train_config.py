@@ -134,6 +134,7 @@ class DataConfig:
     synthetic: SyntheticConfig | None
     prefetch: int
     max_bad_samples: int
+    storage_outage_seconds: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ def _data(spec: TrainingJobSpec) -> DataConfig:
         synthetic=SyntheticConfig(d.synthetic.samples, d.synthetic.seed) if d.synthetic else None,
         prefetch=d.prefetch,
         max_bad_samples=d.max_bad_samples,
+        storage_outage_seconds=d.storage_outage_seconds,
     )
 
 

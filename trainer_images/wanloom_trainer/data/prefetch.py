@@ -59,6 +59,12 @@ class LoadedMicroBatch:
         """float32 [b]: the planned loss weight of each row, 0 where the row is not valid (padding, bad sample)."""
         return np.where(self.batch.valid, self._per_row(self.micro_batch.weights, 0.0), 0.0).astype(np.float32)
 
+    @property
+    def skipped(self) -> int:
+        """Planned samples of this micro-batch that could not be loaded (their rows carry weight 0 or are gone)."""
+        planned = int(np.count_nonzero(np.asarray(self.micro_batch.weights) > 0))
+        return planned - int(np.count_nonzero(self.weights > 0))
+
     def _per_row(self, planned: Any, fill: float) -> np.ndarray:
         values = np.asarray(planned, dtype=np.float32)
         pos = self.batch.positions

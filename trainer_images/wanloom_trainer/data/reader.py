@@ -4,9 +4,10 @@ Framework-free (numpy only), shared by the JAX and the PyTorch trainer. Each sam
 shard (offsets from the index), checked against the index's CRC-32 and shapes, widened to float32, and fitted to
 the micro-batch's bucket shape (fit.py). The unique samples of a call are fetched in parallel threads.
 
-Bad samples (missing shard, corrupt bytes, storage errors that outlast the retries) never raise out of ``load``
-on their own: each is logged, reported through ``on_skip(reason, 1)`` and counted (skips.py) until
-``max_bad_samples`` is passed. What happens to its row is ``bad_policy``:
+Storage errors that outlast the per-request retries are not bad samples: the reader waits for storage to come back
+(``outage.StorageBreaker``) and fails the run only after ``storage_outage_s``. Bad samples (missing shard, corrupt
+bytes) never raise out of ``load`` on their own: each is logged, reported through ``on_skip`` and counted
+(skips.py) until more than ``max_bad_samples`` distinct samples are bad. What happens to its row is ``bad_policy``:
 
 - ``"pad"`` (default): the row stays, filled with a copy of another row of the same call (zeros if none is
   good) and marked ``valid=False``: the batch keeps the planned size, so SPMD shapes and cross-rank lockstep
@@ -17,6 +18,7 @@ on their own: each is logged, reported through ``on_skip(reason, 1)`` and counte
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,11 +30,14 @@ from wanloom_trainer.data import skips
 from wanloom_trainer.data.fit import fit_latents
 from wanloom_trainer.data.format import MEMBERS, TENSOR_MEMBERS, CorruptSample, decode_tensor
 from wanloom_trainer.data.index import INDEX_NAME, ShapeIndex
+from wanloom_trainer.data.outage import OutageHook, StorageBreaker
 from wanloom_trainer.data.shards import payload_crc
 from wanloom_trainer.data.storage import MissingObject, RetryPolicy, Storage, open_storage, split_uri
 
 log = logging.getLogger(__name__)
 BadPolicy = Literal["pad", "drop"]
+DEFAULT_OUTAGE_S = 600.0  # spec.data.storageOutageSeconds' default
+_STORAGE = "storage"  # a read failed in storage, not in the sample: the breaker's business, never a skip
 
 
 @dataclass(frozen=True)
@@ -94,12 +99,14 @@ class LatentDataset:
         bad_policy: BadPolicy = "pad",
         workers: int = 8,
         verify_checksums: bool = True,
+        breaker: StorageBreaker | None = None,
     ) -> None:
         if bad_policy not in ("pad", "drop"):
             raise ValueError(f"bad_policy {bad_policy!r} is not one of 'pad', 'drop'")
         self.index, self.storage, self.bad_policy = index, storage, bad_policy
         self.verify_checksums = verify_checksums
         self.budget = skips.SkipBudget(max_bad_samples, on_skip)
+        self.breaker = breaker or StorageBreaker(DEFAULT_OUTAGE_S)
         self._known_bad: dict[int, _BadSample] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="wanloom-read")
 
@@ -207,14 +214,25 @@ class LatentDataset:
         return LatentBatch(latents, text, lens, cond, ids.astype(np.int64), positions.astype(np.int64), valid)
 
     def _fetch(self, sample_id: int) -> _Sample | _BadSample:
-        """One sample's tensors at its stored shape, or why it cannot be used."""
+        """One sample's tensors at its stored shape, or why it cannot be used. Storage errors are no verdict on
+        the sample: they wait on the breaker (outage.py) until storage answers or the outage limit passes."""
         if sample_id in self._known_bad:
             return self._known_bad[sample_id]
-        try:
-            return self._decode(sample_id, self._read_span(sample_id))
-        except _BadSample as bad:
-            if bad.reason != skips.IO:  # storage hiccups may heal; broken bytes do not
+        for attempt in itertools.count():
+            try:
+                span = self._read_span(sample_id)
+            except _BadSample as bad:
+                if bad.reason == _STORAGE:
+                    self.breaker.failed(self.storage.uri, bad.detail, attempt)
+                    continue
                 self._known_bad[sample_id] = bad
+                return bad
+            self.breaker.succeeded()
+            break
+        try:
+            return self._decode(sample_id, span)
+        except _BadSample as bad:
+            self._known_bad[sample_id] = bad
             return bad
 
     def _read_span(self, sample_id: int) -> bytes:
@@ -228,7 +246,7 @@ class LatentDataset:
         except EOFError as exc:
             raise _BadSample(skips.CORRUPT, f"{where}: truncated shard: {exc}") from exc
         except OSError as exc:
-            raise _BadSample(skips.IO, f"{where}: {exc}") from exc
+            raise _BadSample(_STORAGE, f"{where}: {exc}") from exc
 
     def _decode(self, sample_id: int, span: bytes) -> _Sample:
         idx, where = self.index, f"sample {sample_id} ({self.index.keys[sample_id]})"
@@ -304,8 +322,11 @@ def open_dataset(
     workers: int = 8,
     verify_checksums: bool = True,
     retry: RetryPolicy | None = None,
+    storage_outage_s: float = DEFAULT_OUTAGE_S,
+    on_outage: OutageHook | None = None,
 ) -> LatentDataset:
-    """Open the dataset at ``uri`` (path or gs://) for random access; shards are read lazily, by byte range."""
+    """Open the dataset at ``uri`` (path or gs://) for random access; shards are read lazily, by byte range.
+    Storage that stays unreachable for ``storage_outage_s`` fails the run (``outage.StorageOutage``)."""
     return LatentDataset(
         read_index(uri, index, retry),
         open_storage(uri, retry),
@@ -314,4 +335,5 @@ def open_dataset(
         bad_policy=bad_policy,
         workers=workers,
         verify_checksums=verify_checksums,
+        breaker=StorageBreaker(storage_outage_s, on_outage=on_outage),
     )

@@ -88,6 +88,8 @@ class TrainerMetrics:
         # Series at 0 from the start, so rate() and increase() see the first skip instead of a new series.
         for reason in SKIP_REASONS:
             self._metric("wanloom_skipped_samples_total").labels(trainingjob, reason)
+            self._metric("wanloom_skipped_distinct_samples_total").labels(trainingjob, reason)
+        self._metric("wanloom_storage_outage_seconds").labels(trainingjob).set(0.0)
 
     # -- serving --------------------------------------------------------------------------------------------------
 
@@ -128,11 +130,17 @@ class TrainerMetrics:
         self._metric("wanloom_last_checkpoint_step").labels(self.trainingjob).set(step)
         self._metric("wanloom_last_checkpoint_timestamp_seconds").labels(self.trainingjob).set(timestamp)
 
-    def record_skipped(self, reason: str, n: int = 1) -> None:
-        """``n`` samples the loader skipped on this rank (``reason``: a short fixed word, e.g. "corrupt")."""
+    def record_skipped(self, reason: str, n: int = 1, *, distinct: int = 0) -> None:
+        """``n`` planned rows the loader could not fill on this rank, ``distinct`` of them samples not skipped before
+        (``reason``: a short fixed word, e.g. "corrupt")."""
         _require(bool(reason), "record_skipped: reason must be a non-empty string")
-        _require(n >= 0, f"record_skipped: n must be >= 0, got {n}")
+        _require(n >= 0 and distinct >= 0, f"record_skipped: n and distinct must be >= 0, got {n}, {distinct}")
         self._metric("wanloom_skipped_samples_total").labels(self.trainingjob, reason).inc(n)
+        self._metric("wanloom_skipped_distinct_samples_total").labels(self.trainingjob, reason).inc(distinct)
+
+    def record_storage_outage(self, seconds: float) -> None:
+        """How long dataset storage has been unreachable (0: healthy again)."""
+        self._metric("wanloom_storage_outage_seconds").labels(self.trainingjob).set(seconds)
 
     def record_data_wait(self, seconds: float) -> None:
         """Time this rank's step waited for its input batch."""

@@ -7,6 +7,7 @@ the routing loss weight of its timestep (``routing.loss_weights``, normalised ov
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,15 +47,20 @@ def rank_rows(loaded: Any, *, seed: int, step: int, loss_weighting: str) -> Rank
     )
 
 
-def step_slots(step_data: Sequence[Any], ranks: Sequence[int], *, seed: int, loss_weighting: str) -> list[Slot]:
-    """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches)."""
+def step_slots(
+    step_data: Sequence[Any], ranks: Sequence[int], *, seed: int, loss_weighting: str, num_experts: int
+) -> tuple[list[Slot], tuple[int, ...]]:
+    """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
+    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0)."""
     per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
         raise ValueError(f"local ranks {list(ranks)} have different micro-batch counts {sorted(counts)}")
-    slots = []
+    slots, skipped = [], [0] * num_experts
     for k in range(counts.pop()):
         loaded = [mbs[k] for mbs in per_rank]
+        for mb in loaded:
+            skipped[mb.expert] += mb.skipped
         experts = {mb.expert for mb in loaded}
         if len(experts) != 1:
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
@@ -64,7 +70,19 @@ def step_slots(step_data: Sequence[Any], ranks: Sequence[int], *, seed: int, los
             for r, mb in zip(ranks, loaded, strict=True)
         }
         slots.append(Slot(expert=experts.pop(), ranks=rows))
-    return slots
+    return slots, tuple(skipped)
+
+
+def renormalised(slots: list[Slot], factor: float) -> list[Slot]:
+    """Slots with every loss weight times ``factor``: planned samples / samples actually loaded, so skipped rows
+    leave the loss normaliser (weights were 1/planned) and the loss stays the mean over the samples trained on."""
+    if factor == 1.0:
+        return slots
+    return [
+        Slot(s.expert, {r: dataclasses.replace(rows, weights=rows.weights * np.float32(factor))
+                        for r, rows in s.ranks.items()})
+        for s in slots
+    ]  # fmt: skip
 
 
 def expert_samples(plan: Any, num_experts: int) -> tuple[int, ...]:

@@ -32,11 +32,20 @@ def plan_flops(plan: Any, variant: Any) -> float:
 
 
 def step_log(
-    plan: Any, out: StepOutputs, *, config: TrainConfig, step_time_s: float, data_wait_s: float, num_devices: int
+    plan: Any,
+    out: StepOutputs,
+    *,
+    config: TrainConfig,
+    step_time_s: float,
+    data_wait_s: float,
+    num_devices: int,
+    num_samples: int | None = None,
 ) -> StepLog:
-    """The step's numbers: per-expert mean loss over its samples, norms and rates, throughput and MFU."""
+    """The step's numbers: per-expert mean loss over its samples, norms and rates, throughput and MFU.
+    ``num_samples``: the samples the loss was normalised by (the plan's, less skipped ones)."""
+    n = plan.num_samples if num_samples is None else num_samples
     samples = {e: o.samples for e, o in enumerate(out.experts)}
-    expert_loss = {e: o.loss_sum * plan.num_samples / o.samples for e, o in enumerate(out.experts) if o.samples}
+    expert_loss = {e: o.loss_sum * n / o.samples for e, o in enumerate(out.experts) if o.samples}
     model_flops = plan_flops(plan, config.model.wan)
     mfu = None
     if config.accelerator_type is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
-from wanloom_trainer.train.inputs import expert_samples, make_planner, step_slots
+from wanloom_trainer.train.inputs import expert_samples, make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
@@ -90,7 +90,7 @@ def run(
         metrics = start_exporter(config, backend.process_index)  # first: the loader reports skipped samples
         stack.callback(metrics.close)
         metrics.record_expected_shares(config.routing.expected_shares())
-        dataset = open_data(config, backend, on_skip=metrics.record_skipped)  # 2. data
+        dataset = open_data(config, backend, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage)
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
         state, start, meta = initial_state(config, backend)  # 4. state
@@ -106,16 +106,26 @@ def run(
     return result
 
 
-def open_data(config: TrainConfig, backend: Backend, on_skip: Callable[[str, int], Any] | None = None) -> Any:
-    """Process 0 generates the synthetic dataset if asked; every process then opens it. ``on_skip(reason, n)``
-    hears of every bad sample the loader skips."""
+def open_data(
+    config: TrainConfig,
+    backend: Backend,
+    on_skip: Callable[..., Any] | None = None,
+    on_outage: Callable[[float], Any] | None = None,
+) -> Any:
+    """Process 0 generates the synthetic dataset if asked; every process then opens it. ``on_skip`` hears of every
+    bad sample the loader skips, ``on_outage(seconds)`` of storage outages."""
     from wanloom_trainer.data import ensure_synthetic, open_dataset
 
     if backend.process_index == 0:
         ensure_synthetic(config.data, config.model.wan, progress=False)
     backend.gather_floats(0.0)  # a barrier: nobody opens the index before process 0 has written it
     return open_dataset(
-        config.data.uri, config.data.index, max_bad_samples=config.data.max_bad_samples, on_skip=on_skip
+        config.data.uri,
+        config.data.index,
+        max_bad_samples=config.data.max_bad_samples,
+        on_skip=on_skip,
+        storage_outage_s=config.data.storage_outage_seconds,
+        on_outage=on_outage,
     )
 
 
@@ -216,22 +226,34 @@ class _Loop:
         cfg = self.config
         started = time.perf_counter()
         plan = step_data[0].plan
-        slots = step_slots(step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting)
+        slots, skipped = step_slots(
+            step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting,
+            num_experts=cfg.model.num_experts,
+        )  # fmt: skip
         data_wait = time.perf_counter() - started
+        planned = expert_samples(plan, cfg.model.num_experts)
+        valid = self._valid_samples(planned, skipped)
+        self.result.next_step = plan.step + 1
+        if sum(valid) == 0:  # every sample of the step was skipped: no update, no loss, no throughput to report
+            log.warning("step %d: all %d planned samples were skipped; the experts are not updated", plan.step,
+                        plan.num_samples)  # fmt: skip
+            return state
         inputs = StepInputs(
             step=plan.step,
-            slots=slots,
-            num_samples=plan.num_samples,
-            expert_samples=expert_samples(plan, cfg.model.num_experts),
+            slots=renormalised(slots, plan.num_samples / sum(valid)),
+            num_samples=sum(valid),
+            expert_samples=valid,
             learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps),
         )
         state, out = self.backend.train_step(state, inputs)
         times = self.backend.gather_floats(time.perf_counter() - started)
         record = step_log(
-            plan, out, config=cfg, step_time_s=max(times), data_wait_s=data_wait, num_devices=self.backend.num_devices
-        )
+            plan, out, config=cfg, step_time_s=max(times), data_wait_s=data_wait, num_devices=self.backend.num_devices,
+            num_samples=sum(valid),
+        )  # fmt: skip
+        if sum(valid) < plan.num_samples:
+            record.extra["skipped_samples"] = plan.num_samples - sum(valid)
         self.reporter.step(record, plan, times, self.backend.num_devices)
-        self.result.next_step = plan.step + 1
         if self.backend.process_index == 0:
             self.result.records.append(record)
         if self.on_step is not None:
@@ -240,6 +262,13 @@ class _Loop:
         if self._checkpoint_due(plan.step + 1):
             self.save(state, plan.step + 1)
         return state
+
+    def _valid_samples(self, planned: tuple[int, ...], skipped: tuple[int, ...]) -> tuple[int, ...]:
+        """Planned samples per expert minus the ones every process skipped (one collective per expert on
+        multi-process jobs, so all processes normalise the loss and skip updates alike)."""
+        if self.backend.process_count > 1:
+            skipped = tuple(int(sum(self.backend.gather_floats(float(n)))) for n in skipped)
+        return tuple(p - s for p, s in zip(planned, skipped, strict=True))
 
     def _checkpoint_due(self, next_step: int) -> bool:
         ckpt = self.config.checkpoint
