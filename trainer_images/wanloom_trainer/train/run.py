@@ -237,7 +237,7 @@ class _Loop:
         if sum(valid) == 0:  # every sample of the step was skipped: no update, no loss, no throughput to report
             log.warning("step %d: all %d planned samples were skipped; the experts are not updated", plan.step,
                         plan.num_samples)  # fmt: skip
-            return state
+            return self._checkpoint(state, plan.step + 1)
         inputs = StepInputs(
             step=plan.step,
             slots=renormalised(slots, plan.num_samples / sum(valid)),
@@ -258,9 +258,13 @@ class _Loop:
             self.result.records.append(record)
         if self.on_step is not None:
             self.on_step(record)
+        return self._checkpoint(state, plan.step + 1)
+
+    def _checkpoint(self, state: Any, next_step: int) -> Any:
+        """Report a save that has committed meanwhile; start the next one when due."""
         self._report_commit(wait=False)
-        if self._checkpoint_due(plan.step + 1):
-            self.save(state, plan.step + 1)
+        if self._checkpoint_due(next_step):
+            self.save(state, next_step)
         return state
 
     def _valid_samples(self, planned: tuple[int, ...], skipped: tuple[int, ...]) -> tuple[int, ...]:
