@@ -201,7 +201,7 @@ class _Loop:
             self.save(state, next_step)
         self._report_commit(wait=True)
         self.result.stopped_by = self.stop.signal or "a peer's SIGTERM"
-        log.warning("stopped by %s after step %d; checkpoint committed: %s", self.result.stopped_by, next_step,
+        log.warning("stopped by %s before step %d; last committed checkpoint: %s", self.result.stopped_by, next_step,
                     self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
 
     def _pending(self) -> list[int]:
