@@ -5,7 +5,6 @@ process, on both backends."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ def _wanloom(job: Path, tmp_path: Path, steps: int) -> subprocess.Popen:
     args = ["run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path)]
     return subprocess.Popen(
         [sys.executable, "-c", CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ}, cwd=tmp_path,
+        cwd=tmp_path,
     )  # fmt: skip
 
 

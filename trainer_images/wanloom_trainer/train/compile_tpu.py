@@ -211,9 +211,7 @@ def compile_job(
         model = dataclasses.replace(model, num_layers=layers)
     if remat is not None:
         model = dataclasses.replace(model, remat=remat)
-    config = dataclasses.replace(
-        config, model=model, checkpoint=dataclasses.replace(config.checkpoint, uri=None), run_dir=config.run_dir
-    )
+    config = dataclasses.replace(config, model=model, checkpoint=dataclasses.replace(config.checkpoint, uri=None))
     backend = JaxBackend(config, devices=devices)
     state = backend.abstract_state()
     params, opt = state["params"][0], state["opt"][0]
