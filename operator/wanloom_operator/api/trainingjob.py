@@ -21,7 +21,9 @@ PLURAL = "trainingjobs"
 SINGULAR = "trainingjob"
 SHORT_NAMES = ("tj",)
 
-Variant = Literal["wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "tiny"]
+# The tiny variants are CPU-sized stand-ins for the three Wan 2.2 modes: tiny (two experts, text-to-video),
+# tiny-i2v (two experts, image condition channels) and tiny-ti2v (one model, per-token timesteps).
+Variant = Literal["wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "tiny", "tiny-i2v", "tiny-ti2v"]
 # Inference boundary between the experts as a fraction of the 1000-step schedule (official Wan 2.2 configs);
 # None marks a single-model variant, for which routing has no boundary.
 DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
@@ -29,6 +31,8 @@ DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
     "wan2.2-i2v-a14b": 0.900,
     "wan2.2-ti2v-5b": None,
     "tiny": 0.875,
+    "tiny-i2v": 0.900,
+    "tiny-ti2v": None,
 }
 # Training timestep distribution per variant when spec.routing leaves it unset: DiffSynth-Studio's Wan 2.2 recipe
 # (examples/wanvideo/model_training: FlowMatchScheduler with shift 5, timestep index drawn uniformly; its A14B
@@ -39,9 +43,26 @@ DEFAULT_TIMESTEPS: dict[str, tuple[Literal["uniform", "logit-normal"], float]] =
     "wan2.2-i2v-a14b": ("uniform", 5.0),
     "wan2.2-ti2v-5b": ("uniform", 5.0),
     "tiny": ("uniform", 1.0),
+    "tiny-i2v": ("uniform", 1.0),
+    "tiny-ti2v": ("uniform", 1.0),
+}
+# Share of video samples a unified text/image-to-video model (per-token timesteps) trains as image-to-video when
+# spec.training.imageToVideoFraction is unset; None marks variants without that mode. Wan 2.2 trains TI2V-5B on
+# both tasks and publishes no ratio: an even split is our default.
+DEFAULT_IMAGE_TO_VIDEO_FRACTION: dict[str, float | None] = {
+    "wan2.2-t2v-a14b": None,
+    "wan2.2-i2v-a14b": None,
+    "wan2.2-ti2v-5b": 0.5,
+    "tiny": None,
+    "tiny-i2v": None,
+    "tiny-ti2v": 0.5,
 }
 DType = Literal["float32", "bfloat16"]
 Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Invalid"]
+
+
+def _cel_list(values: Any) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
 class _Model(BaseModel):
@@ -54,7 +75,10 @@ class _Model(BaseModel):
 
 
 class ModelSpec(_Model):
-    variant: Variant = Field(description="Wan model to train; 'tiny' is a two-expert toy model for CPU runs.")
+    variant: Variant = Field(
+        description="Wan model to train; 'tiny', 'tiny-i2v' and 'tiny-ti2v' are toy models of the three modes for "
+        "CPU runs."
+    )
     weights: str | None = Field(
         None,
         description="Diffusers-layout checkpoint root (gs:// or a path) with transformer/ (high-noise expert) and "
@@ -210,6 +234,14 @@ class TrainingSpec(_Model):
     seed: int = Field(0, ge=0, description="Seed of parameters, data order, timesteps and noise.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Where and how often to save.")
     log_every: int = Field(1, ge=1, description="Steps between metric updates.")
+    image_to_video_fraction: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Share of video samples trained as image-to-video by a unified model (wan2.2-ti2v-5b, "
+        "tiny-ti2v): the first latent frame is given clean with timestep 0 on its tokens and left out of the loss. "
+        "Default 0.5 there; must be unset for other variants.",
+    )
 
 
 class TPUSpec(_Model):
@@ -289,8 +321,14 @@ class ResourcesSpec(_Model):
 class TrainingJobSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
         (
-            "self.model.variant != 'wan2.2-ti2v-5b' || !has(self.routing) || !has(self.routing.boundaryRatio)",
-            "routing.boundaryRatio must be unset for the single-model wan2.2-ti2v-5b",
+            f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
+            "|| !has(self.routing) || !has(self.routing.boundaryRatio)",
+            "routing.boundaryRatio must be unset for a single-model variant",
+        ),
+        (
+            f"self.model.variant in {_cel_list(v for v, f in DEFAULT_IMAGE_TO_VIDEO_FRACTION.items() if f is not None)}"
+            " || !has(self.training.imageToVideoFraction)",
+            "training.imageToVideoFraction is only for unified text/image-to-video variants",
         ),
     )
     model: ModelSpec = Field(description="Which Wan model and where its weights are.")
@@ -316,6 +354,14 @@ class TrainingJobSpec(_Model):
         sampling, shift = DEFAULT_TIMESTEPS[self.model.variant]
         r = self.routing
         return r.sampling or sampling, shift if r.shift is None else r.shift
+
+    @property
+    def image_to_video_fraction(self) -> float:
+        """The effective image-to-video share: the spec's, else the variant's default (0 without the mode)."""
+        fraction = self.training.image_to_video_fraction
+        if fraction is None:
+            fraction = DEFAULT_IMAGE_TO_VIDEO_FRACTION[self.model.variant]
+        return fraction or 0.0
 
     @property
     def boundary_ratio(self) -> float | None:

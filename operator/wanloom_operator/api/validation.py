@@ -17,7 +17,12 @@ import yaml
 from pydantic import ValidationError
 
 from wanloom_operator.api.topology import tpu7x_slice
-from wanloom_operator.api.trainingjob import DEFAULT_BOUNDARY_RATIO, TrainingJob, TrainingJobSpec
+from wanloom_operator.api.trainingjob import (
+    DEFAULT_BOUNDARY_RATIO,
+    DEFAULT_IMAGE_TO_VIDEO_FRACTION,
+    TrainingJob,
+    TrainingJobSpec,
+)
 
 _URI_SCHEMES = ("gs://",)
 _GPUS_PER_NODE = {"h100": 8, "h200": 8, "b200": 8}
@@ -122,12 +127,20 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_routing(spec: TrainingJobSpec) -> Iterator[FieldError]:
+def _check_variant_fields(spec: TrainingJobSpec) -> Iterator[FieldError]:
     if DEFAULT_BOUNDARY_RATIO[spec.model.variant] is None and spec.routing.boundary_ratio is not None:
         yield FieldError(
             "spec.routing.boundaryRatio",
             f"{spec.model.variant} is a single model with no expert boundary; remove boundaryRatio "
             f"(got {spec.routing.boundary_ratio})",
+        )
+    fraction = spec.training.image_to_video_fraction
+    if DEFAULT_IMAGE_TO_VIDEO_FRACTION[spec.model.variant] is None and fraction is not None:
+        unified = ", ".join(v for v, f in DEFAULT_IMAGE_TO_VIDEO_FRACTION.items() if f is not None)
+        yield FieldError(
+            "spec.training.imageToVideoFraction",
+            f"{spec.model.variant} has no image-to-video mode of its own (only {unified} do); remove "
+            f"imageToVideoFraction (got {fraction})",
         )
 
 
@@ -264,7 +277,7 @@ def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
 
 
 _CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (
-    _check_routing,
+    _check_variant_fields,
     _check_resources,
     _check_parallelism,
     _check_kernels,

@@ -102,6 +102,14 @@ def test_boundary_ratio_defaults_per_variant(variant: str, expected: float | Non
     assert job is not None and job.spec.boundary_ratio == expected
 
 
+def test_image_to_video_fraction_defaults_for_unified_models_only() -> None:
+    jobs = {p.stem: load_trainingjob_file(p) for p in JOBS}
+    assert jobs["ti2v-5b-h200-2x8"].spec.image_to_video_fraction == 0.5
+    assert jobs["tiny-ti2v-local"].spec.image_to_video_fraction == 0.5
+    assert jobs["tiny-i2v-local"].spec.image_to_video_fraction == 0.0  # I2V-A14B conditions by channels instead
+    assert jobs["t2v-a14b-tpu7x-2x4x4x4"].spec.image_to_video_fraction == 0.0
+
+
 def test_backend_defaults_from_accelerator() -> None:
     jobs = {p.stem: load_trainingjob_file(p) for p in JOBS}
     assert jobs["tiny-local"].spec.resources.resolved_backend == "jax"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +176,7 @@ def test_placeholder_rows_are_zero_and_invalid(dataset: Path) -> None:
 
 
 def test_i2v_condition_round_trips(tmp_path: Path) -> None:
-    variant = dataclasses.replace(TINY, name="tiny-i2v", condition_channels=TINY.out_channels + 4)
+    variant = get_variant("tiny-i2v")
     mixture = (ShapeMix(5, 32, 32),)
     write_synthetic(str(tmp_path / "ds"), variant, 3, seed=1, mixture=mixture, dtype="bfloat16")
     with open_dataset(str(tmp_path / "ds"), max_bad_samples=0) as ds:

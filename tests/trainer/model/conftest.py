@@ -3,7 +3,6 @@ is imported with --import-mode=importlib, so test files cannot import helpers by
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,16 +11,9 @@ import pytest
 from wanloom_trainer.config.variants import WanVariant, get_variant
 
 TINY = get_variant("tiny")
-TINY_VARIANTS = {
-    v.name: v
-    for v in (
-        TINY,
-        # TI2V-like: per-token timesteps (the first latent frame is the clean condition frame).
-        dataclasses.replace(TINY, name="tiny-ti2v", per_token_timesteps=True, two_experts=False),
-        # I2V-like with the real channel layout: 16 noise + 4 mask + 16 condition channels in, 16 out.
-        dataclasses.replace(TINY, name="tiny-i2v", in_channels=36, out_channels=16, condition_channels=20),
-    )
-}
+# T2V (two experts), TI2V-like (one model, per-token timesteps) and I2V-like (two experts, 4 noise + 4 mask +
+# 4 condition channels in, 4 out): the registered tiny variants of the three Wan 2.2 modes.
+TINY_VARIANTS = {name: get_variant(name) for name in ("tiny", "tiny-ti2v", "tiny-i2v")}
 # Small enough that save_pretrained writes several shards and an index for the tiny model (~60 KB).
 SHARD_SIZE = "20KB"
 
@@ -45,7 +37,7 @@ MakeCheckpoint = Callable[..., tuple[object, Path]]
 
 @pytest.fixture(scope="module")
 def tiny_variants() -> dict[str, WanVariant]:
-    """ "tiny" (T2V), "tiny-ti2v" (per-token timesteps) and "tiny-i2v" (36 in / 16 out channels)."""
+    """ "tiny" (T2V), "tiny-ti2v" (per-token timesteps) and "tiny-i2v" (12 in / 4 out channels)."""
     return TINY_VARIANTS
 
 

@@ -113,12 +113,12 @@ def test_variant_is_derived_from_config(tiny_checkpoints, tiny_variants) -> None
     custom = variant_from_config({**config, "ffn_dim": 48, "num_layers": 3}, "some/folder")
     assert (custom.name, custom.ffn_dim, custom.num_layers, custom.dim) == ("custom:some/folder", 48, 3, 32)
     i2v = variant_from_config(json.loads((tiny_checkpoints["tiny-i2v"][1] / "config.json").read_text()))
-    assert (i2v.in_channels, i2v.out_channels) == (36, 16)
+    assert (i2v.name, i2v.in_channels, i2v.out_channels) == ("tiny-i2v", 12, 4)
 
 
 def test_config_mismatch_names_the_field(tiny_checkpoints, tiny_variants) -> None:
     _, folder = tiny_checkpoints["tiny"]
-    with pytest.raises(ValueError, match=r"config.json: in_channels=4 but variant 'tiny-i2v' has in_channels=36"):
+    with pytest.raises(ValueError, match=r"config.json: in_channels=4 but variant 'tiny-i2v' has in_channels=12"):
         load_diffusers_transformer(folder, tiny_variants["tiny-i2v"])
 
 

@@ -39,7 +39,7 @@ def _per_token_timesteps(generator: torch.Generator) -> torch.Tensor:
 CASES = [
     pytest.param("tiny", _per_sample_timesteps, id="t2v"),
     pytest.param("tiny-ti2v", _per_token_timesteps, id="ti2v-per-token"),
-    pytest.param("tiny-i2v", _per_sample_timesteps, id="i2v-36ch"),
+    pytest.param("tiny-i2v", _per_sample_timesteps, id="i2v-condition-channels"),
 ]
 
 

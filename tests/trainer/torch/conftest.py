@@ -12,7 +12,6 @@ import shutil
 if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ def tiny() -> WanVariant:
 @pytest.fixture(scope="session")
 def tiny_ti2v() -> WanVariant:
     """Per-token timesteps, one model (the TI2V-5B layout at toy size)."""
-    return dataclasses.replace(TINY, name="tiny-ti2v", per_token_timesteps=True, two_experts=False)
+    return get_variant("tiny-ti2v")
 
 
 @pytest.fixture(scope="session")

@@ -103,3 +103,33 @@ def test_clipping_scales_to_the_max_norm_and_reports_the_norm_before(tiny) -> No
     for name, grad in grads.items():
         torch.testing.assert_close(seen[name], grad * (clip / norm), rtol=1e-5, atol=1e-9)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_image_to_video_rows_match_the_numpy_objective(tiny_ti2v) -> None:
+    """TI2V: t per token (0 on the clean first frame of rows marked image-to-video), loss over the other frames."""
+    from wanloom_trainer.train.objective import frame_timesteps_np
+
+    model = build_expert(tiny_ti2v, seed=0)
+    rows = dataclasses.replace(
+        _rows(tiny_ti2v, [4, 9, 2], [0.5, 0.25, 0.25]), clean_first_frame=np.array([1, 0, 1], np.float32)
+    )
+    seen = {}
+    model.patch_embedding.register_forward_pre_hook(lambda m, args: seen.update(x=args[0].clone()))
+    got, per_sample = flow_matching_loss(model, **rows_to_tensors(rows, torch.device("cpu")))
+
+    t_frames = frame_timesteps_np(rows.timesteps, rows.clean_first_frame, rows.latents.shape[2])
+    x_t = noisy_latents_np(rows.latents, rows.noise, t_frames)
+    np.testing.assert_array_equal(seen["x"][[0, 2], :, 0].numpy(), rows.latents[[0, 2], :, 0])
+    tokens = np.repeat(t_frames, (rows.latents.shape[3] // 2) * (rows.latents.shape[4] // 2), axis=1)
+    with torch.no_grad():
+        prediction = model(torch.from_numpy(x_t), torch.from_numpy(tokens), torch.from_numpy(rows.text)).sample
+    want = flow_matching_loss_np(
+        prediction.numpy(),
+        rows.latents,
+        rows.noise,
+        rows.weights,
+        num_samples=1,
+        clean_first_frame=rows.clean_first_frame,
+    )
+    assert float(got.detach()) == pytest.approx(want, rel=1e-6)
+    assert per_sample.shape == (3,)

@@ -88,3 +88,93 @@ def test_zero_weight_rows_do_not_contribute() -> None:
     a, _ = flow_matching_loss(_fake_model(jnp), {k: jnp.asarray(v) for k, v in with_pad.items()})
     b, _ = flow_matching_loss(_fake_model(jnp), {k: jnp.asarray(v) for k, v in garbage.items()})
     assert float(a) == float(b)
+
+
+def test_clean_first_frames_are_a_pure_draw_that_skips_images_and_placeholders() -> None:
+    from wanloom_trainer.train.objective import clean_first_frames
+
+    ids = list(range(4000))
+    a = clean_first_frames(3, 5, ids, latent_frames=3, fraction=0.3)
+    np.testing.assert_array_equal(a, clean_first_frames(3, 5, ids, latent_frames=3, fraction=0.3))
+    assert not np.array_equal(a, clean_first_frames(3, 6, ids, latent_frames=3, fraction=0.3))
+    # Binomial(4000, 0.3): σ = 29 samples; 4σ either side.
+    assert abs(a.sum() - 1200) < 4 * 29
+    assert not clean_first_frames(3, 5, ids, latent_frames=1, fraction=1.0).any()  # an image has no other frame
+    np.testing.assert_array_equal(clean_first_frames(3, 5, [7, -1], latent_frames=2, fraction=1.0), [1.0, 0.0])
+
+
+class _PerTokenModel:
+    """A stand-in transformer with per-token timesteps: records what it is given, predicts from x_t and t."""
+
+    def __init__(self, patch: tuple[int, int, int]) -> None:
+        from types import SimpleNamespace
+
+        self.variant = SimpleNamespace(patch_size=patch)
+        self.seen: dict = {}
+
+    def __call__(self, x_t, t, text):
+        import jax.numpy as jnp
+
+        self.seen.update(x_t=np.asarray(x_t), t=np.asarray(t))
+        b, _, frames, h, w = x_t.shape
+        t_grid = jnp.reshape(t, (b, 1, frames, h // 2, w // 2)).repeat(2, axis=3).repeat(2, axis=4)
+        return 0.5 * x_t + t_grid / 1000.0 + jnp.mean(text, axis=(1, 2)).reshape((b, 1, 1, 1, 1))
+
+
+def test_image_to_video_rows_keep_frame_zero_clean_and_out_of_the_loss() -> None:
+    """Rows 0 and 2 train image-to-video: σ = 0 and t = 0 on latent frame 0, loss over frames 1..T'-1."""
+    import jax.numpy as jnp
+
+    from wanloom_trainer.train.objective import frame_timesteps_np
+    from wanloom_trainer.train.step_jax import flow_matching_loss
+
+    rng = np.random.default_rng(2)
+    b, shape = 3, (4, 3, 8, 8)
+    x0 = rng.standard_normal((b, *shape)).astype(np.float32)
+    eps = batch_noise(0, 1, range(b), shape)
+    t = np.array([700.0, 300.0, 999.0], np.float32)
+    clean = np.array([1.0, 0.0, 1.0], np.float32)
+    text = rng.standard_normal((b, 6, 8)).astype(np.float32)
+    weights = np.array([0.5, 0.25, 0.25], np.float32)
+    batch = dict(latents=x0, noise=eps, timesteps=t, text=text, weights=weights, clean_first_frame=clean)
+    model = _PerTokenModel((1, 2, 2))
+    loss, per_sample = flow_matching_loss(model, {k: jnp.asarray(v) for k, v in batch.items()})
+
+    t_frames = frame_timesteps_np(t, clean, frames := shape[1])
+    np.testing.assert_array_equal(t_frames[:, 0], [0.0, 300.0, 0.0])
+    tokens_per_frame = (shape[2] // 2) * (shape[3] // 2)
+    np.testing.assert_array_equal(model.seen["t"], np.repeat(t_frames, tokens_per_frame, axis=1))
+    np.testing.assert_array_equal(model.seen["x_t"][[0, 2], :, 0], x0[[0, 2], :, 0])  # clean first frame
+    x_t = noisy_latents_np(x0, eps, t_frames)
+    np.testing.assert_allclose(model.seen["x_t"], x_t, rtol=1e-6, atol=1e-6)
+    prediction = np.asarray(model(jnp.asarray(x_t), jnp.asarray(np.repeat(t_frames, tokens_per_frame, 1)), text))
+    expected = flow_matching_loss_np(prediction, x0, eps, weights, num_samples=1, clean_first_frame=clean)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    whole = np.mean((prediction - velocity_target_np(x0, eps)) ** 2, axis=(1, 2, 3, 4))
+    assert float(per_sample[1]) == pytest.approx(whole[1], rel=1e-5)  # the text-to-video row: every frame
+    assert frames == 3 and abs(float(per_sample[0]) - whole[0]) > 1e-3  # frame 0 really left out
+
+
+def test_image_to_video_loss_ignores_the_prediction_on_the_clean_frame() -> None:
+    import jax.numpy as jnp
+
+    from wanloom_trainer.train.step_jax import flow_matching_loss
+
+    rng = np.random.default_rng(3)
+    b, shape = 2, (4, 2, 4, 4)
+    batch = dict(
+        latents=rng.standard_normal((b, *shape)).astype(np.float32),
+        noise=batch_noise(0, 0, range(b), shape),
+        timesteps=np.array([400.0, 600.0], np.float32),
+        text=np.zeros((b, 2, 4), np.float32),
+        weights=np.ones(b, np.float32),
+        clean_first_frame=np.ones(b, np.float32),
+    )
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    base = _PerTokenModel((1, 2, 2))
+
+    def spoiled(x_t, t, text):
+        return base(x_t, t, text).at[:, :, 0].set(1e6)
+
+    spoiled.variant = base.variant
+    assert float(flow_matching_loss(base, batch)[0]) == float(flow_matching_loss(spoiled, batch)[0])

@@ -202,6 +202,8 @@ class TrainConfig:
     steps: int
     global_batch: int
     seed: int
+    # Share of video samples a unified TI2V model trains as image-to-video (train.objective); 0 otherwise.
+    image_to_video_fraction: float
     log_every: int
     metrics_port: int  # 0 disables the exporter
     run_dir: str
@@ -243,6 +245,7 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         steps=spec.training.steps,
         global_batch=spec.training.global_batch,
         seed=spec.training.seed,
+        image_to_video_fraction=spec.image_to_video_fraction,
         log_every=spec.training.log_every,
         metrics_port=_env_int(env, keys.ENV_METRICS_PORT, spec.metrics_port, minimum=0),
         run_dir=_local_path(env.get(keys.ENV_RUN_DIR) or str(Path("runs") / job.metadata.name)),

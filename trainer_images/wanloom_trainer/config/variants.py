@@ -124,6 +124,35 @@ VARIANTS: dict[str, WanVariant] = {
         text_len=16,
         freq_dim=32,
     ),
+    # The I2V-A14B layout at tiny size: two experts whose input is x_t (4) + mask (4) + first-frame latents (4).
+    "tiny-i2v": WanVariant(
+        name="tiny-i2v",
+        dim=32,
+        ffn_dim=64,
+        num_heads=2,
+        num_layers=2,
+        in_channels=12,
+        out_channels=4,
+        text_dim=32,
+        text_len=16,
+        freq_dim=32,
+        condition_channels=8,
+    ),
+    # The TI2V-5B layout at tiny size: one model with per-token timesteps (the image rides in latent frame 0).
+    "tiny-ti2v": WanVariant(
+        name="tiny-ti2v",
+        dim=32,
+        ffn_dim=64,
+        num_heads=2,
+        num_layers=2,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        text_len=16,
+        freq_dim=32,
+        two_experts=False,
+        per_token_timesteps=True,
+    ),
 }
 
 

@@ -62,6 +62,13 @@ _WAN_480_720 = (
     ShapeMix(81, 832, 480, 1),
     ShapeMix(33, 480, 832, 1),
 )
+_TINY = (
+    ShapeMix(1, 64, 64, 3),
+    ShapeMix(1, 64, 96, 2),
+    ShapeMix(1, 96, 64, 1),
+    ShapeMix(9, 64, 64, 2),
+    ShapeMix(17, 32, 48, 1),
+)
 DEFAULT_MIXTURES: dict[str, tuple[ShapeMix, ...]] = {
     "wan2.2-t2v-a14b": _WAN_480_720,
     "wan2.2-i2v-a14b": _WAN_480_720,
@@ -73,13 +80,9 @@ DEFAULT_MIXTURES: dict[str, tuple[ShapeMix, ...]] = {
         ShapeMix(49, 704, 1280, 1),
     ),
     # Small enough for a CPU: images at three aspects plus two clip lengths.
-    "tiny": (
-        ShapeMix(1, 64, 64, 3),
-        ShapeMix(1, 64, 96, 2),
-        ShapeMix(1, 96, 64, 1),
-        ShapeMix(9, 64, 64, 2),
-        ShapeMix(17, 32, 48, 1),
-    ),
+    "tiny": _TINY,
+    "tiny-i2v": _TINY,
+    "tiny-ti2v": _TINY,
 }
 
 

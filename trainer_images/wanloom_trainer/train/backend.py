@@ -43,6 +43,8 @@ class RankRows:
         weights: float32 [b] loss weights (0 for padding rows).
         condition: float32 [b, Cc, T', H', W'] image condition (I2V: mask + first-frame latents), concatenated
             after x_t on the channel axis as the model's input; None for text-to-video.
+        clean_first_frame: float32 [b], unified TI2V models only: 1 for rows trained as image-to-video (first
+            latent frame clean, t = 0 on its tokens, out of the loss; ``train.objective``); None otherwise.
     """
 
     sample_ids: np.ndarray
@@ -52,6 +54,7 @@ class RankRows:
     timesteps: np.ndarray
     weights: np.ndarray
     condition: np.ndarray | None = None
+    clean_first_frame: np.ndarray | None = None
 
     @property
     def rows(self) -> int:

@@ -315,6 +315,8 @@ def _host_arrays(rows: RankRows) -> dict[str, np.ndarray]:
     }
     if rows.condition is not None:
         arrays["condition"] = rows.condition
+    if rows.clean_first_frame is not None:
+        arrays["clean_first_frame"] = rows.clean_first_frame.astype(np.float32)
     return arrays
 
 

@@ -167,6 +167,8 @@ def _batch(backend: Any, config: TrainConfig, latent: tuple[int, ...], rows: int
     }
     if wan.in_channels > wan.out_channels:  # image-to-video: mask + encoded first frame appended to x_t
         batch["condition"] = spec(wan.in_channels - wan.out_channels, *latent)
+    if wan.per_token_timesteps:  # unified TI2V: the step runs with per-token timesteps
+        batch["clean_first_frame"] = spec()
     return batch
 
 

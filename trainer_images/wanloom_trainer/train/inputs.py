@@ -16,7 +16,7 @@ import numpy as np
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.routing import loss_weights
 from wanloom_trainer.train.backend import RankRows, Slot
-from wanloom_trainer.train.objective import batch_noise
+from wanloom_trainer.train.objective import batch_noise, clean_first_frames
 
 
 def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any:
@@ -31,11 +31,20 @@ def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any
     return planner_from_config(config, sample_shapes, cost, policy=policy, layout=layout)
 
 
-def rank_rows(loaded: Any, *, seed: int, step: int, loss_weighting: str) -> RankRows:
-    """A loaded micro-batch (``data.LoadedMicroBatch``) as one rank's rows, with its noise and loss weights."""
+def rank_rows(
+    loaded: Any, *, seed: int, step: int, loss_weighting: str, image_to_video: float | None = None
+) -> RankRows:
+    """A loaded micro-batch (``data.LoadedMicroBatch``) as one rank's rows, with its noise and loss weights.
+
+    ``image_to_video``: for a unified TI2V model, the share of video rows whose first frame is kept clean
+    (``objective.clean_first_frames``); None for the other models (no per-token timesteps).
+    """
     batch = loaded.batch
     timesteps = loaded.timesteps.astype(np.float32)
     weights = (loaded.weights * loss_weights(timesteps, loss_weighting)).astype(np.float32)
+    clean = None
+    if image_to_video is not None:
+        clean = clean_first_frames(seed, step, batch.sample_ids, batch.latents.shape[2], image_to_video)
     return RankRows(
         sample_ids=np.asarray(batch.sample_ids, dtype=np.int64),
         latents=batch.latents,
@@ -44,14 +53,22 @@ def rank_rows(loaded: Any, *, seed: int, step: int, loss_weighting: str) -> Rank
         timesteps=timesteps,
         weights=weights,
         condition=batch.condition,
+        clean_first_frame=clean,
     )
 
 
 def step_slots(
-    step_data: Sequence[Any], ranks: Sequence[int], *, seed: int, loss_weighting: str, num_experts: int
+    step_data: Sequence[Any],
+    ranks: Sequence[int],
+    *,
+    seed: int,
+    loss_weighting: str,
+    num_experts: int,
+    image_to_video: float | None = None,
 ) -> tuple[list[Slot], tuple[int, ...]]:
     """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
-    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0)."""
+    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0).
+    ``image_to_video``: as for ``rank_rows``."""
     per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
@@ -66,7 +83,7 @@ def step_slots(
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
         step = loaded[0].step
         rows = {
-            r: rank_rows(mb, seed=seed, step=step, loss_weighting=loss_weighting)
+            r: rank_rows(mb, seed=seed, step=step, loss_weighting=loss_weighting, image_to_video=image_to_video)
             for r, mb in zip(ranks, loaded, strict=True)
         }
         slots.append(Slot(expert=experts.pop(), ranks=rows))

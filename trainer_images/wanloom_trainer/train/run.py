@@ -229,6 +229,7 @@ class _Loop:
         slots, skipped = step_slots(
             step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting,
             num_experts=cfg.model.num_experts,
+            image_to_video=cfg.image_to_video_fraction if cfg.model.wan.per_token_timesteps else None,
         )  # fmt: skip
         data_wait = time.perf_counter() - started
         planned = expert_samples(plan, cfg.model.num_experts)

@@ -11,7 +11,8 @@ One flow-matching loss (``flow_matching_loss``) serves training and evaluation. 
 - ``evaluate(params_e, batch)``: the same loss without gradients.
 
 ``batch`` is a dict of arrays (``BATCH_KEYS``): latents/noise [b, C, T', H', W'], text [b, L, D], timesteps [b]
-(float32), weights [b], and for image-to-video a ``condition`` [b, Cc, T', H', W'] appended to x_t's channels.
+(float32), weights [b]; for I2V-A14B a ``condition`` [b, Cc, T', H', W'] appended to x_t's channels, and for a
+unified TI2V model ``clean_first_frame`` [b] (1: trained as image-to-video, its first latent frame kept clean).
 Parameters are float32 masters whatever the compute dtype; the model casts its matmul inputs to
 ``compute_dtype``; the loss is computed in float32.
 """
@@ -37,17 +38,38 @@ FP32 = jnp.float32
 def flow_matching_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(Σ_i weights_i · loss_i, loss_i [b]) with loss_i the mean squared error to the velocity ε − x0.
 
-    x_t = (1 − σ)·x0 + σ·ε with σ = t / 1000; the model sees t itself (float32).
+    x_t = (1 − σ)·x0 + σ·ε with σ = t / 1000; the model sees t itself (float32). With ``clean_first_frame`` [b]
+    in the batch (unified TI2V models) t is per latent frame, 0 on frame 0 of the marked rows, the model gets it
+    per token, and those rows' loss leaves frame 0 out (``train.objective``).
     """
     x0, noise = batch["latents"].astype(FP32), batch["noise"].astype(FP32)
     t = batch["timesteps"].astype(FP32)
-    sigma = (t / 1000.0).reshape((-1,) + (1,) * (x0.ndim - 1))
+    clean = batch.get("clean_first_frame")
+    if clean is None:
+        sigma, model_t, keep = (t / 1000.0).reshape((-1,) + (1,) * (x0.ndim - 1)), t, None
+    else:
+        keep = 1.0 - clean.astype(FP32)[:, None] * (jnp.arange(x0.shape[2]) == 0).astype(FP32)[None, :]
+        t_frames = t[:, None] * keep  # [b, T']
+        sigma = (t_frames / 1000.0)[:, None, :, None, None]
+        model_t = _token_timesteps(t_frames, x0.shape, model.variant.patch_size)
     x_t = (1.0 - sigma) * x0 + sigma * noise
     if "condition" in batch:
         x_t = jnp.concatenate([x_t, batch["condition"].astype(FP32)], axis=1)
-    prediction = model(x_t, t, batch["text"]).astype(FP32)
-    per_sample = jnp.mean(jnp.square(prediction - (noise - x0)), axis=tuple(range(1, x0.ndim)))
+    prediction = model(x_t, model_t, batch["text"]).astype(FP32)
+    squared = jnp.square(prediction - (noise - x0))
+    if keep is None:
+        per_sample = jnp.mean(squared, axis=tuple(range(1, x0.ndim)))
+    else:
+        per_frame = jnp.mean(squared, axis=(1, 3, 4))
+        per_sample = jnp.sum(per_frame * keep, axis=1) / jnp.maximum(jnp.sum(keep, axis=1), 1.0)
     return jnp.sum(batch["weights"].astype(FP32) * per_sample), per_sample
+
+
+def _token_timesteps(t_frames: jax.Array, latent_shape: tuple[int, ...], patch: tuple[int, int, int]) -> jax.Array:
+    """[b, T'] per-frame timesteps → [b, S] per token, in the model's (frame, row, column) token order."""
+    pt, ph, pw = patch
+    per_frame_tokens = (latent_shape[3] // ph) * (latent_shape[4] // pw)
+    return jnp.repeat(t_frames[:, ::pt], per_frame_tokens, axis=1)
 
 
 def moment_transform(opt: OptimizerConfig) -> optax.GradientTransformation:

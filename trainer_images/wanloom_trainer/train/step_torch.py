@@ -31,6 +31,7 @@ def flow_matching_loss(
     timesteps: torch.Tensor,
     weights: torch.Tensor,
     condition: torch.Tensor | None = None,
+    clean_first_frame: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,28 +45,49 @@ def flow_matching_loss(
         weights: [b] fp32 loss weights.
         condition: [b, Cc, T', H', W'] image condition (I2V: mask + first-frame latents) appended to x_t's
             channels as the model input; None for text-to-video.
+        clean_first_frame: [b] fp32, unified TI2V models only: 1 marks a row trained as image-to-video (frame 0
+            clean at t = 0 and out of the loss); timesteps then go to the model per token. None: t per sample.
         compute_dtype: dtype of the model's inputs (its parameters' compute dtype).
     """
     x0, noise, t = latents.float(), noise.float(), timesteps.float()
-    sigma = (t / 1000.0).reshape((-1,) + (1,) * (x0.ndim - 1))
+    if clean_first_frame is None:
+        sigma, model_t, keep = (t / 1000.0).reshape((-1,) + (1,) * (x0.ndim - 1)), t, None
+    else:
+        first = (torch.arange(x0.shape[2], device=x0.device) == 0).float()
+        keep = 1.0 - clean_first_frame.float()[:, None] * first[None, :]
+        t_frames = t[:, None] * keep  # [b, T']
+        sigma = (t_frames / 1000.0)[:, None, :, None, None]
+        model_t = _token_timesteps(t_frames, x0.shape, model.config.patch_size)
     x_t = (1.0 - sigma) * x0 + sigma * noise
     if condition is not None:
         x_t = torch.cat([x_t, condition.float()], dim=1)
     prediction = model(
         hidden_states=x_t.to(compute_dtype),
-        timestep=t,
+        timestep=model_t,
         encoder_hidden_states=text.to(compute_dtype),
         return_dict=False,
     )[0].float()
-    per_sample = torch.mean(torch.square(prediction - (noise - x0)), dim=tuple(range(1, x0.ndim)))
+    squared = torch.square(prediction - (noise - x0))
+    if keep is None:
+        per_sample = torch.mean(squared, dim=tuple(range(1, x0.ndim)))
+    else:
+        per_frame = torch.mean(squared, dim=(1, 3, 4))
+        per_sample = torch.sum(per_frame * keep, dim=1) / torch.clamp(torch.sum(keep, dim=1), min=1.0)
     return torch.sum(weights.float() * per_sample), per_sample
+
+
+def _token_timesteps(t_frames: torch.Tensor, latent_shape: torch.Size, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[b, T'] per-frame timesteps → [b, S] per token, in diffusers' (frame, row, column) token order."""
+    pt, ph, pw = patch
+    per_frame_tokens = (latent_shape[3] // ph) * (latent_shape[4] // pw)
+    return torch.repeat_interleave(t_frames[:, ::pt], per_frame_tokens, dim=1)
 
 
 def rows_to_tensors(rows: RankRows, device: torch.device) -> dict[str, torch.Tensor]:
     """Host rows -> device tensors; an empty (dummy) micro-batch becomes one all-zero row of weight 0, so every
     rank still runs the slot's forward/backward and FSDP's collectives stay in lockstep."""
-    keys = ("latents", "text", "noise", "timesteps", "weights") + (() if rows.condition is None else ("condition",))
-    arrays = {k: getattr(rows, k) for k in keys}
+    keys = ("latents", "text", "noise", "timesteps", "weights", "condition", "clean_first_frame")
+    arrays = {k: getattr(rows, k) for k in keys if getattr(rows, k) is not None}
     if rows.rows == 0:
         arrays = {k: np.zeros((1, *np.shape(a)[1:]), dtype=np.float32) for k, a in arrays.items()}
         arrays["timesteps"][:] = 500.0  # any valid t: the row's weight is 0
