@@ -39,6 +39,11 @@ def _type_args(annotation: Any) -> list[Any]:
     return [a for arg in args for a in _type_args(arg)]
 
 
+def _validations(rules: Any) -> list[dict[str, str]]:
+    keys = ("rule", "message", "fieldPath")
+    return [dict(zip(keys, rule, strict=False)) for rule in rules]
+
+
 def _convert(node: Any, defs: dict[str, Any], models: dict[str, type[BaseModel]]) -> Any:
     if isinstance(node, list):
         return [_convert(n, defs, models) for n in node]
@@ -49,7 +54,7 @@ def _convert(node: Any, defs: dict[str, Any], models: dict[str, type[BaseModel]]
         out = _convert(defs[name], defs, models)
         rules = getattr(models.get(name), "cel_rules", ())
         if rules:
-            out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+            out["x-kubernetes-validations"] = _validations(rules)
         extra = {k: v for k, v in node.items() if k != "$ref"}
         out.update(_convert(extra, defs, models))
         return out
@@ -96,20 +101,27 @@ def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
     root = _convert({k: v for k, v in raw.items() if k != "$defs"}, defs, models)
     rules = getattr(model, "cel_rules", ())
     if rules:
-        root["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+        root["x-kubernetes-validations"] = _validations(rules)
     return root
 
 
-def _default_empty_objects(schema: dict[str, Any]) -> None:
-    """Give optional object fields with no required children ``default: {}`` so the API server fills their
-    defaults and ``kubectl get -o yaml`` shows the effective configuration."""
-    for prop in schema.get("properties", {}).values():
+def _default_objects(schema: dict[str, Any]) -> None:
+    """Default optional object fields to their children's defaults so the API server fills them in and
+    ``kubectl get -o yaml`` shows the effective configuration.
+
+    The default is written out in full, not as ``{}``: the API server checks a default against the node's CEL
+    rules as written, before nested defaults apply, so ``{}`` fails any rule that reads a child key. Required
+    fields get no default (one would only hide a missing field).
+    """
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
         if prop.get("type") == "object" and "properties" in prop:
-            _default_empty_objects(prop)
-            if not prop.get("required") and "default" not in prop and prop.get("x-wanloom-optional") is None:
-                prop["default"] = {}
+            _default_objects(prop)
+            optional = name not in required and prop.get("x-wanloom-optional") is None
+            if optional and not prop.get("required") and "default" not in prop:
+                prop["default"] = {k: c["default"] for k, c in prop["properties"].items() if "default" in c}
         elif prop.get("type") == "array" and isinstance(prop.get("items"), dict):
-            _default_empty_objects(prop["items"])
+            _default_objects(prop["items"])
 
 
 def _spec_schema() -> dict[str, Any]:
@@ -120,7 +132,7 @@ def _spec_schema() -> dict[str, Any]:
         for part in path:
             node = node["properties"][part]
         node["x-wanloom-optional"] = True
-    _default_empty_objects(spec)
+    _default_objects(spec)
     _strip_markers(spec)
     return spec
 

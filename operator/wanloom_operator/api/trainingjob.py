@@ -71,7 +71,9 @@ class _Model(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True, frozen=True
     )
-    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = ()  # (rule, message) pairs emitted into the CRD
+    # CEL rules emitted into the CRD: (rule, message) or (rule, message, fieldPath), the field path relative to
+    # this object so the API server's error names the field (spec.routing.boundaryRatio), not the object.
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
 
 class ModelSpec(_Model):
@@ -149,10 +151,11 @@ class BucketSpec(_Model):
 
 
 class AdaptiveLoadSpec(_Model):
-    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (
             "self.costModel != 'power' || has(self.computeBudget) || has(self.benchFile)",
             "costModel 'power' needs computeBudget (and exponent) or a benchFile to fit them from",
+            ".costModel",
         ),
     )
     enabled: bool = Field(True, description="Plan per-rank work with AdaptiveLoad; off means equal-token batches.")
@@ -187,7 +190,7 @@ class KernelsSpec(_Model):
 
 
 class ParallelismSpec(_Model):
-    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (
             "[self.data, self.fsdp, self.context, self.tensor].filter(d, d == -1).size() <= 1",
             "at most one parallelism degree may be -1 (fill the remaining devices)",
@@ -283,12 +286,12 @@ KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-pr
 
 
 class ResourcesSpec(_Model):
-    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (
             "[has(self.tpu), has(self.gpu), has(self.cpu)].filter(x, x).size() == 1",
             "exactly one of tpu, gpu or cpu must be set",
         ),
-        ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax"),
+        ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax", ".backend"),
     )
     tpu: TPUSpec | None = Field(None, description="TPU v7x slices (JAX backend).")
     gpu: GPUSpec | None = Field(None, description="NVIDIA GPU nodes.")
@@ -319,16 +322,18 @@ class ResourcesSpec(_Model):
 
 
 class TrainingJobSpec(_Model):
-    cel_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
             "|| !has(self.routing) || !has(self.routing.boundaryRatio)",
             "routing.boundaryRatio must be unset for a single-model variant",
+            ".routing.boundaryRatio",
         ),
         (
             f"self.model.variant in {_cel_list(v for v, f in DEFAULT_IMAGE_TO_VIDEO_FRACTION.items() if f is not None)}"
             " || !has(self.training.imageToVideoFraction)",
             "training.imageToVideoFraction is only for unified text/image-to-video variants",
+            ".training.imageToVideoFraction",
         ),
     )
     model: ModelSpec = Field(description="Which Wan model and where its weights are.")

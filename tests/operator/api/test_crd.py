@@ -106,3 +106,26 @@ def test_reference_doc_matches_models() -> None:
 
     committed = (ROOT / "docs" / "trainingjob.md").read_text()
     assert committed == trainingjob_reference(), "docs/trainingjob.md drifted: run `wanloom docs > docs/trainingjob.md`"
+
+
+def _object_nodes(node: dict, path: str = "spec"):
+    for name, child in node.get("properties", {}).items():
+        if child.get("type") == "object":
+            yield f"{path}.{name}", node, name, child
+            yield from _object_nodes(child, f"{path}.{name}")
+
+
+def test_object_defaults_are_written_out_for_their_cel_rules() -> None:
+    """The API server checks a default against its node's CEL rules before nested defaults apply: a `{}` default
+    under a rule that reads a child key makes it refuse the whole CRD. Each defaulted object therefore carries
+    every child default, and a required field carries none (it would only hide the missing field)."""
+    spec = trainingjob_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    defaulted = 0
+    for path, parent, name, node in _object_nodes(spec):
+        if "default" not in node:
+            continue
+        defaulted += 1
+        assert name not in parent.get("required", ()), f"{path} is required but has a default"
+        children = {k: c["default"] for k, c in node.get("properties", {}).items() if "default" in c}
+        assert node["default"] == children, path
+    assert defaulted >= 5

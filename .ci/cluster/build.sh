@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Builds the Kubernetes control plane the end-to-end tests run against, from official Go modules only (no
+# downloaded binaries). Each component is cached under $WANLOOM_CLUSTER_CACHE (default ~/.cache/wanloom/cluster)
+# in a folder named for its version, so a second run only checks that the binaries exist.
+#   usage: .ci/cluster/build.sh   -> prints KEY=PATH lines (sourced by up.sh)
+set -euo pipefail
+K8S_VERSION="${K8S_VERSION:-v1.36.3}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.8}"
+JOBSET_VERSION="${JOBSET_VERSION:-v0.12.0}"
+KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
+CACHE="${WANLOOM_CLUSTER_CACHE:-$HOME/.cache/wanloom/cluster}"
+export GOFLAGS="${GOFLAGS:--mod=mod}" CGO_ENABLED=0
+
+log() { echo "build.sh: $*" >&2; }
+
+# Release modules that carry replace directives (k8s.io/kubernetes, etcd) cannot be `go install`ed, and
+# `go install pkg@version` also reads the module's version list, which the proxy refuses for some modules. Each
+# component is therefore built inside a throwaway module that requires it:
+#   throwaway DIR 'require lines' [replace args...]
+throwaway() {
+  local dir="$1" requires="$2"
+  shift 2
+  mkdir -p "$dir"
+  [ -f "$dir/go.sum" ] && return 0
+  printf 'module wanloom.local/build\n\ngo 1.26\n\nrequire %s\n' "$requires" > "$dir/go.mod"
+  local r
+  for r in "$@"; do (cd "$dir" && go mod edit -replace "$r"); done
+}
+
+build_k8s() {
+  local bin="$CACHE/kubernetes-$K8S_VERSION" c missing=0
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do [ -x "$bin/$c" ] || missing=1; done
+  if [ "$missing" = 1 ]; then
+    local work="$CACHE/src/kubernetes-$K8S_VERSION" minor="${K8S_VERSION#v1.}"
+    # k8s.io/kubernetes replaces its staging modules with local paths: pin each to the matching v0.Y.Z release,
+    # reading the list from its own go.mod so a new version needs no edit here.
+    local gomod replaces=()
+    gomod="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')"
+    while read -r mod; do replaces+=("$mod=$mod@v0.$minor"); done < <(
+      grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
+    throwaway "$work" "k8s.io/kubernetes $K8S_VERSION" "${replaces[@]}"
+    printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n)\n' > "$work/tools.go"
+    (cd "$work" && go mod tidy -e >/dev/null)
+    local ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION
+      -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
+    mkdir -p "$bin"
+    for c in kube-apiserver kube-controller-manager kube-scheduler; do
+      [ -x "$bin/$c" ] && continue
+      log "building $c $K8S_VERSION (all three: ~12 min cold on 2 cores)"
+      (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c")
+      mv "$bin/$c.tmp" "$bin/$c"
+    done
+  fi
+  echo "KUBERNETES_BIN=$bin"
+}
+
+build_etcd() {
+  local bin="$CACHE/etcd-$ETCD_VERSION"
+  if [ ! -x "$bin/etcd" ]; then
+    log "building etcd $ETCD_VERSION"
+    local work="$CACHE/src/etcd-$ETCD_VERSION"
+    throwaway "$work" "go.etcd.io/etcd/server/v3 $ETCD_VERSION"
+    # The etcd command's own module has replace directives; its entry point is etcdmain.Main.
+    printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' > "$work/main.go"
+    mkdir -p "$bin"
+    (cd "$work" && go mod tidy >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/etcd.tmp" .)
+    mv "$bin/etcd.tmp" "$bin/etcd"
+  fi
+  echo "ETCD_BIN=$bin"
+}
+
+build_jobset() {
+  local bin="$CACHE/jobset-$JOBSET_VERSION"
+  if [ ! -x "$bin/jobset-controller" ] || [ ! -f "$bin/jobset-webhooks.yaml" ]; then
+    log "building the JobSet controller $JOBSET_VERSION"
+    local work="$CACHE/src/jobset-$JOBSET_VERSION"
+    throwaway "$work" "sigs.k8s.io/jobset $JOBSET_VERSION"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/jobset"\n' > "$work/tools.go"
+    mkdir -p "$bin"
+    (cd "$work" && go mod tidy -e >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/jobset-controller.tmp" sigs.k8s.io/jobset)
+    # The CRD and webhook rules ship inside the module: the cluster serves the version the controller was built
+    # from.
+    local dir
+    dir="$(cd "$work" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
+    cp "$dir/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$bin/jobset-crd.yaml"
+    cp "$dir/config/components/webhook/manifests.yaml" "$bin/jobset-webhooks.yaml"
+    mv "$bin/jobset-controller.tmp" "$bin/jobset-controller"
+  fi
+  echo "JOBSET_BIN=$bin"
+}
+
+build_kwok() {
+  local bin="$CACHE/kwok-$KWOK_VERSION"
+  if [ ! -x "$bin/kwok" ]; then
+    log "building KWOK $KWOK_VERSION (fake nodes and pods)"
+    local work="$CACHE/src/kwok-$KWOK_VERSION"
+    throwaway "$work" "sigs.k8s.io/kwok $KWOK_VERSION"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kwok/cmd/kwok"\n' > "$work/tools.go"
+    mkdir -p "$bin"
+    (cd "$work" && go mod tidy -e >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok)
+    mv "$bin/kwok.tmp" "$bin/kwok"
+  fi
+  echo "KWOK_BIN=$bin"
+}
+
+command -v go >/dev/null || { log "the Go toolchain is needed to build the control plane (go.dev/dl)"; exit 1; }
+build_k8s
+build_etcd
+build_jobset
+build_kwok
