@@ -251,7 +251,8 @@ def jobset(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) ->
 def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> None:
     kubeconfig(STATE / "kwok.kubeconfig", env["server"], STATE / "pki" / "ca.crt", token["kwok"])
     start("kwok", [
-        bins["KWOK_BIN"] / "kwok", f"--kubeconfig={STATE / 'kwok.kubeconfig'}", "--manage-all-nodes=false",
+        bins["KWOK_BIN"] / "kwok", f"--kubeconfig={STATE / 'kwok.kubeconfig'}", f"--config={HERE / 'kwok-stages.yaml'}",
+        "--manage-all-nodes=false",
         "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--node-lease-duration-seconds=40",
         "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1", f"--server-address=127.0.0.1:{free_port()}",
     ])  # fmt: skip
@@ -275,7 +276,7 @@ NODE_POOLS: tuple[tuple[str, int, dict[str, str], dict[str, str], str | None], .
 
 
 def fake_nodes() -> None:
-    """Nodes that KWOK keeps Ready and whose pods it runs: Job pods go Running, then Succeeded."""
+    """Nodes that KWOK keeps Ready and whose pods it runs (kwok-stages.yaml: Job pods run 4 s, then succeed)."""
     from kubernetes import client, config
 
     config.load_kube_config(str(STATE / "kubeconfig"))

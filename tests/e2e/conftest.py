@@ -55,30 +55,47 @@ def cluster() -> Cluster:
     return Cluster(api, env)
 
 
+CHART_DIR = ROOT / "helm" / "wanloom"
+CHART_NAMESPACE = "wanloom-system"
+RELEASE = "wanloom"
+# The chart's namespaced mode watches this namespace: the operator runs there as the chart's ServiceAccount.
+CHART_WATCHED_NAMESPACE = "wanloom-chart"
+
+
 @pytest.fixture(scope="session")
-def crd(cluster: Any) -> dict[str, Any]:
-    """The TrainingJob CRD created (or replaced) on the API server and Established."""
+def chart_release(cluster: Cluster) -> dict[str, Any]:
+    """The chart installed through the Helm SDK, as a platform engineer installs it (upgraded when an earlier
+    session installed it). Test workers share one control plane: a file lock makes one of them install it."""
+    import fcntl
+
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
     from kubernetes import client
 
-    from wanloom_operator.api.crd import trainingjob_crd
+    values = {"operator": {"watch": {"allNamespaces": False, "namespaces": [CHART_WATCHED_NAMESPACE]}}}
+    with open(STATE / "helm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        core = client.CoreV1Api(cluster.api)
+        if not core.list_namespace(field_selector=f"metadata.name={CHART_WATCHED_NAMESPACE}").items:
+            core.create_namespace({"metadata": {"name": CHART_WATCHED_NAMESPACE}})
+        with helm.Config(kubeconfig_path=cluster.kubeconfig, namespace=CHART_NAMESPACE) as cfg:
+            if any(r["name"] == RELEASE for r in cfg.list()):
+                return cfg.upgrade(str(CHART_DIR), RELEASE, values, namespace=CHART_NAMESPACE)
+            return cfg.install(str(CHART_DIR), RELEASE, values, namespace=CHART_NAMESPACE, create_namespace=True)
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Cluster, chart_release: dict[str, Any]) -> dict[str, Any]:
+    """The TrainingJob CRD as the chart installed it, Established."""
+    from kubernetes import client
 
     ext = client.ApiextensionsV1Api(cluster.api)
-    body = trainingjob_crd()
-    name = body["metadata"]["name"]
-    try:
-        ext.create_custom_resource_definition(body)
-    except client.ApiException as exc:
-        if exc.status != 409:
-            raise
-        body["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(name).metadata.resource_version
-        ext.replace_custom_resource_definition(name, body)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        status = ext.read_custom_resource_definition(name).status
-        if any(c.type == "Established" and c.status == "True" for c in status.conditions or ()):
-            return body
+        crd = ext.read_custom_resource_definition("trainingjobs.wanloom.dev")
+        if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or ()):
+            return cluster.api.sanitize_for_serialization(crd)
         time.sleep(0.5)
-    raise AssertionError(f"{name} not Established after 60 s")
+    raise AssertionError("trainingjobs.wanloom.dev not Established after 60 s")
 
 
 @pytest.fixture

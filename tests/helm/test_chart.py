@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "helm" / "wanloom"
 NAMESPACE = "wanloom-system"
 DATA = Path(__file__).parent / "data"
-K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 MONITOR_CRDS = {
     "PodMonitor": DATA / "monitoring.coreos.com_podmonitors.yaml",
     "ServiceMonitor": DATA / "monitoring.coreos.com_servicemonitors.yaml",
@@ -230,13 +230,13 @@ def _rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 CRUD = {"get", "list", "watch", "create", "update", "patch", "delete"}
 OPERATOR_RULES = {
-    ("wanloom.dev", "trainingjobs"): {"get", "list", "watch", "patch", "update"},
-    ("wanloom.dev", "trainingjobs/status"): {"get", "patch", "update"},
+    ("wanloom.dev", "trainingjobs"): {"get", "list", "watch", "patch"},
+    ("wanloom.dev", "trainingjobs/status"): {"patch"},
     ("wanloom.dev", "trainingjobs/finalizers"): {"update"},
-    ("jobset.x-k8s.io", "jobsets"): CRUD,
-    ("", "configmaps"): CRUD,
-    ("", "pods"): {"get", "list"},
-    ("", "events"): {"create", "patch"},
+    ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "pods"): {"list"},
+    ("", "events"): {"create"},
 }
 READ = {"get", "list", "watch"}
 PEER = {"get", "list", "watch", "patch"}
@@ -267,14 +267,9 @@ def _grants(objects: list[dict[str, Any]], namespace: str | None) -> dict[tuple[
             OPERATOR_RULES
             | {("apiextensions.k8s.io", "customresourcedefinitions"): READ, ("kopf.dev", "clusterkopfpeerings"): PEER},
         ),
-        ("namespaced-ha", None, {("apiextensions.k8s.io", "customresourcedefinitions"): READ}),
-        (
-            "namespaced-ha",
-            "team-a",
-            OPERATOR_RULES
-            | {("apiextensions.k8s.io", "customresourcedefinitions"): READ, ("kopf.dev", "kopfpeerings"): PEER},
-        ),
-        ("namespaced-ha", "default", {("apiextensions.k8s.io", "customresourcedefinitions"): READ}),
+        ("namespaced-ha", None, {}),
+        ("namespaced-ha", "team-a", OPERATOR_RULES | {("kopf.dev", "kopfpeerings"): PEER}),
+        ("namespaced-ha", "default", {}),
     ],
     ids=["cluster", "cluster-ha", "namespaced-cluster-grants", "namespaced-in-watched", "namespaced-elsewhere"],
 )

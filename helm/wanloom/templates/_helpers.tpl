@@ -56,28 +56,32 @@ app.kubernetes.io/component: operator
 
 {{/* What the operator does to TrainingJobs and their children (cluster-wide or per watched namespace). */}}
 {{- define "wanloom.operatorRules" -}}
+# Exactly the verbs the operator uses (tests/e2e/test_chart_install.py checks them against the API server's
+# audit log): kopf watches and patches TrainingJobs (finalizers, its own annotations) and their status.
 - apiGroups: ["wanloom.dev"]
   resources: ["trainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["wanloom.dev"]
   resources: ["trainingjobs/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 # Owner references with blockOwnerDeletion need update on the owner's finalizers subresource.
 - apiGroups: ["wanloom.dev"]
   resources: ["trainingjobs/finalizers"]
   verbs: ["update"]
+# A changed spec replaces the JobSet (its pod template is immutable): delete, then create.
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
-# The TrainingJob spec reaches the trainer pods as a mounted ConfigMap.
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The TrainingJob spec reaches the trainer pods as a mounted ConfigMap; children are removed by garbage
+# collection through their owner references, so no delete.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
-# Read-only: pod phases for status, and rank 0's address for progress.
+  verbs: ["get", "create", "patch"]
+# Read-only: rank 0's address for progress.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end -}}

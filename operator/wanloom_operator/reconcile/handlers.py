@@ -43,6 +43,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # our Events are explicit; kopf's INFO chatter stays in the log
+    # Watching named namespaces needs no cluster-wide reads: without this kopf lists namespaces and watches CRDs,
+    # which the chart's namespaced RBAC does not (and should not) grant.
+    namespaces = memo.runtime.settings.namespaces
+    settings.scanning.disabled = bool(namespaces) and not any(c in n for n in namespaces for c in "*?[]!")
     # API calls run in threads (the Kubernetes client is synchronous): enough of them that a burst of new
     # TrainingJobs waits on the API server, not on a free thread.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(API_THREADS, thread_name_prefix="k8s-api"))
