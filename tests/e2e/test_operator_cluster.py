@@ -169,3 +169,70 @@ def test_invalid_trainingjob_is_reported(k8s: Any, namespace: str, operator: Any
     )
     assert "spec.resources.volumes[0].name" in status["message"]
     assert _jobset(k8s, namespace, "e2e-invalid") is None
+
+
+def _pods(k8s: Any, namespace: str, jobset: str) -> list[Any]:
+    return (
+        k8s.client.CoreV1Api()
+        .list_namespaced_pod(namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={jobset}")
+        .items
+    )
+
+
+def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, operator: Any, fake_nodes: bool) -> None:
+    """jobs/*.yaml as shipped: TPU slices each fill one tpu7x node pool of their topology (JobSet's exclusive
+    placement), GPU pods land on nodes of their accelerator, CPU pods anywhere; every job then succeeds."""
+    if not fake_nodes:
+        pytest.skip("needs the fake TPU/GPU node pools of `make cluster`")
+    from wanloom_operator.api.validation import load_trainingjob_file
+    from wanloom_operator.render.pods import pod_shape
+    from wanloom_operator.settings import OperatorSettings
+
+    api, core = k8s.client.CustomObjectsApi(), k8s.client.CoreV1Api()
+    expected = {}
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        doc["metadata"] = {"name": path.stem, "namespace": namespace}
+        doc["spec"]["maxRestarts"] = 0
+        # A queued job waits, suspended, for Kueue to admit it; this control plane runs no Kueue yet.
+        doc["spec"]["resources"].pop("queueName", None)
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        expected[path.stem] = pod_shape(load_trainingjob_file(path).spec, OperatorSettings())
+    nodes = {n.metadata.name: n.metadata.labels for n in core.list_node().items}
+    for name, shape in expected.items():
+        pods = _wait(
+            lambda name=name, shape=shape: (p := _pods(k8s, namespace, name)) and len(p) == shape.pods
+            and all(x.spec.node_name for x in p) and p,
+            f"{name}: {shape.pods} pods bound",
+        )  # fmt: skip
+        pools: dict[str, set[str]] = {}
+        for pod in pods:
+            labels = nodes[pod.spec.node_name]
+            for key, value in shape.node_selector.items():
+                assert labels.get(key) == value, (name, pod.metadata.name, key, labels)
+            job = pod.metadata.labels["jobset.sigs.k8s.io/job-index"]
+            pools.setdefault(job, set()).add(labels["cloud.google.com/gke-nodepool"])
+        if shape.accelerator == "tpu":
+            assert len(pools) == shape.replicas and all(len(p) == 1 for p in pools.values()), (name, pools)
+            assert len(set().union(*pools.values())) == shape.replicas, f"{name}: two slices share a pool {pools}"
+        if shape.accelerator == "gpu":
+            assert all(labels.startswith("h") for p in pools.values() for labels in p), (name, pools)
+    for name in expected:
+        _wait(lambda name=name: (_get(k8s, namespace, name).get("status") or {}).get("phase") == "Succeeded",
+              f"{name} Succeeded")  # fmt: skip
+
+
+def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
+    k8s: Any, namespace: str, operator: Any, fake_nodes: bool
+) -> None:
+    if not fake_nodes:
+        pytest.skip("KWOK fails the pod on request (WANLOOM_E2E_FAIL); a real pod needs a failing image")
+    doc = _trainingjob("e2e-fails", namespace, maxRestarts=1)
+    doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": "1"}]
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    status = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-fails").get("status") or {}).get("phase") == "Failed" and s,
+        "phase Failed",
+    )
+    assert status["restarts"] == 1, status
+    assert any(c["type"] == "Failed" and c["status"] == "True" for c in status["conditions"])
