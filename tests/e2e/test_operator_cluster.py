@@ -56,15 +56,20 @@ def namespace(k8s: Any) -> Iterator[str]:
     core.delete_namespace(name)
 
 
-@pytest.fixture(scope="module")
-def operator(k8s: Any, cluster: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
+def _start_operator(cluster: Any, namespace: str) -> subprocess.Popen[str]:
+    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster."""
     env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": "5", "WANLOOM_LOG_FORMAT": "plain",
            "KUBECONFIG": cluster.kubeconfig}  # fmt: skip
     if TRAINER_IMAGE:
         env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
     command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator"]
     command += [f"--namespace={namespace}", "--metrics-port=0", "--liveness-port=0"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def operator(k8s: Any, cluster: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
+    process = _start_operator(cluster, namespace)
     yield process
     # Delete the TrainingJobs while the operator still runs: it removes its finalizer from active ones.
     api = k8s.client.CustomObjectsApi()
@@ -236,3 +241,39 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
     )
     assert status["restarts"] == 1, status
     assert any(c["type"] == "Failed" and c["status"] == "True" for c in status["conditions"])
+
+
+def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: Any, cluster: Any) -> None:
+    """The operator is SIGKILLed once the JobSet exists; the JobSet finishes and its TTL deletes it; the operator,
+    back, must end the TrainingJob rather than create the JobSet again."""
+    import signal
+    import uuid
+
+    core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
+    namespace = f"wanloom-e2e-ttl-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    operator = _start_operator(cluster, namespace)
+    try:
+        api.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, _trainingjob("e2e-ttl", namespace, ttlSecondsAfterFinished=0)
+        )
+        _wait(lambda: (_get(k8s, namespace, "e2e-ttl").get("status") or {}).get("createdSpecHash"), "JobSet created")
+        operator.send_signal(signal.SIGKILL)
+        operator.communicate(timeout=30)
+        _wait(lambda: _jobset(k8s, namespace, "e2e-ttl") is None, "the finished JobSet deleted by its TTL")
+        operator = _start_operator(cluster, namespace)
+        status = _wait(
+            lambda: (
+                (s := _get(k8s, namespace, "e2e-ttl").get("status") or {}).get("phase") in ("Succeeded", "Failed") and s
+            ),
+            "a final phase after the restart",
+        )
+        assert "deleted before its outcome was recorded" in status["message"], status
+        time.sleep(5)  # a re-created JobSet would show up within a reconcile
+        assert _jobset(k8s, namespace, "e2e-ttl") is None
+    finally:
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 120)
+        operator.terminate()
+        operator.communicate(timeout=60)
+        core.delete_namespace(namespace)

@@ -412,6 +412,11 @@ class TrainingJobStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes conditions, keyed by type.")
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
     restarts: int = Field(0, description="JobSet restarts so far.")
+    created_spec_hash: str | None = Field(
+        None,
+        description="Spec hash of the JobSet the operator created or adopted last: that JobSet gone (its TTL ran "
+        "while the operator was down) means the run is over, not that it is to be started again.",
+    )
     replicated_jobs: list[ReplicatedJobStatus] = Field(
         default_factory=list, description="Job counts per replicated job, from the JobSet."
     )

@@ -61,11 +61,12 @@ class Outcome:
     phase: str | None = None
     phase_unless_created: bool = False  # set the phase only while no JobSet was ever created
     phase_from: frozenset[str | None] | None = None  # set the phase only over these (None: any)
+    previous: dict[str, Any] = field(default_factory=dict)  # the status this outcome started from
     _touched: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, status: Mapping[str, Any], now: str) -> Outcome:
-        return cls(conditions=[dict(c) for c in status.get("conditions") or []], now=now)
+        return cls(conditions=[dict(c) for c in status.get("conditions") or []], now=now, previous=dict(status))
 
     def set(self, type_: str, status: cond.Status, reason: str, message: str = "") -> None:
         before = next((c for c in self.conditions if c.get("type") == type_), None)
@@ -113,7 +114,9 @@ async def reconcile_children(body: Mapping[str, Any], runtime: Runtime, now: str
         return out  # finished: leave the JobSet (or its absence after its TTL) alone
     job, names = result.job, rendered.names
     current = await runtime.cluster.get_jobset(rendered.jobset["metadata"]["namespace"], names.jobset)
-    if current is None:
+    if current is None and status.get("createdSpecHash") == rendered.spec_hash:
+        _gone(out, status, names.jobset)
+    elif current is None:
         await _create(out, rendered, job, runtime)
     elif not owned_by(current, body):
         _name_conflict(out, names.jobset)
@@ -187,6 +190,7 @@ async def _create(out: Outcome, rendered: Rendered, job: TrainingJob, runtime: R
         await _sync_existing(out, current, rendered, job, runtime)
         return
     out.set(cond.CREATED, "True", cond.REASON_CREATED, f"JobSet {name}")
+    out.fields["createdSpecHash"] = rendered.spec_hash
     out.event("Normal", cond.REASON_CREATED, f"created JobSet {namespace}/{name}")
     if cond.condition_status(out.conditions, cond.SPEC_CHANGE_PENDING) == "True":
         out.set(cond.SPEC_CHANGE_PENDING, "False", cond.REASON_SPEC_APPLIED)
@@ -202,6 +206,9 @@ async def _sync_existing(
         raise RetryLater(f"JobSet {name} is being deleted", delay=2)
     if cond.condition_status(out.conditions, cond.CREATED) != "True":
         out.set(cond.CREATED, "True", cond.REASON_ADOPTED, f"JobSet {name}")
+    adopted = _annotations(current).get(keys.ANNOTATION_SPEC_HASH)
+    if adopted and out.previous.get("createdSpecHash") != adopted:
+        out.fields["createdSpecHash"] = adopted
     if _annotations(current).get(keys.ANNOTATION_SPEC_HASH) != rendered.spec_hash:
         await _spec_changed(out, current, rendered, job, runtime)
         return
@@ -234,6 +241,7 @@ async def _spec_changed(
             raise RetryLater(f"re-creating JobSet {name} once the old one is gone", delay=2) from None
         raise
     out.set(cond.SPEC_CHANGE_PENDING, "False", cond.REASON_SPEC_APPLIED)
+    out.fields["createdSpecHash"] = rendered.spec_hash
     out.event(
         "Normal", cond.REASON_SPEC_APPLIED, f"re-created JobSet {namespace}/{name} with spec {rendered.spec_hash}"
     )
@@ -263,6 +271,25 @@ async def ensure_configmap(rendered: Rendered, runtime: Runtime) -> None:
         return
     patch = {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]}
     await runtime.cluster.patch_configmap(namespace, name, patch)
+
+
+def _gone(out: Outcome, status: Mapping[str, Any], name: str) -> None:
+    """The JobSet created for this very spec is gone without its outcome recorded (its TTL deleted it while the
+    operator was down, or someone deleted it): the run is over. It succeeded if rank 0 last reported the final
+    step; otherwise the outcome is unknown and the job is Failed, saying why. Never started again."""
+    progress = status.get("progress") or {}
+    step, total = progress.get("step"), progress.get("totalSteps")
+    done = step is not None and total is not None and step + 1 >= total
+    phase = "Succeeded" if done else "Failed"
+    message = (
+        f"JobSet {name} was deleted before its outcome was recorded (ttlSecondsAfterFinished while the operator "
+        f"was down, or a manual delete); "
+        + ("rank 0 had reported the final step" if done else f"last reported step: {step}; outcome unknown")
+    )
+    out.set(cond.SUCCEEDED if done else cond.FAILED, "True", cond.REASON_JOBSET_DELETED, message)
+    out.fields["message"] = message
+    out.phase, out.phase_from = phase, None
+    out.event("Normal" if done else "Warning", cond.REASON_JOBSET_DELETED, message)
 
 
 def _rejected(out: Outcome, exc: ApiError) -> None:

@@ -237,13 +237,18 @@ async def test_deletion_cascades_by_owner_references_and_nothing_is_recreated(
     assert not world.objects(JS) and len(world.requests("POST", "/jobsets")) == posts
 
 
-async def test_a_jobset_deleted_under_a_running_job_is_recreated(world: World, start_operator: Start) -> None:
+async def test_a_jobset_gone_without_its_outcome_ends_the_job_instead_of_rerunning_it(
+    world: World, start_operator: Start
+) -> None:
+    """Created for this spec and gone (its TTL, a manual delete): the run is over, it is not started again."""
     await start_operator()
     await world.create_trainingjob("tj9")
     await eventually(lambda: world.objects(JS).get("tj9"), what="JobSet")
+    await eventually(lambda: world.status("tj9").get("createdSpecHash"), what="the created spec recorded")
     await world.delete_jobset("tj9")
-    await eventually(lambda: world.objects(JS).get("tj9"), what="JobSet re-created")
-    assert len(world.requests("POST", "/jobsets")) == 2
+    status = await eventually(lambda: (s := world.status("tj9")).get("phase") == "Failed" and s, what="Failed")
+    assert "deleted before its outcome was recorded" in status["message"]
+    assert len(world.requests("POST", "/jobsets")) == 1 and "tj9" not in world.objects(JS)
 
 
 async def test_kueue_admission_is_left_to_kueue(world: World, start_operator: Start) -> None:
