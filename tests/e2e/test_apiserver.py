@@ -20,16 +20,10 @@ from wanloom_operator.api.validation import validate_trainingjob
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 INVALID = Path(__file__).resolve().parents[1] / "operator" / "api" / "invalid"
-# Broken manifests the API server admits today: their rules span fields in ways the CRD's CEL does not express
-# yet (topology table, device counts, URI schemes, accelerator-specific limits). `wanloom validate` and the
-# operator (phase Invalid) refuse them. Moving these into CEL is issue 13, point 4.
-ADMITTED_BY_THE_API_SERVER = {
-    "bad-scheme",
-    "bad-topology",
-    "gpu-per-node",
-    "parallelism-product",
-    "torch-cpu-devices",
-}
+# Broken manifests the API server admits today: their rules need the device count of a topology (the tpu7x shape
+# table, the parallelism product), which the CRD's CEL does not compute yet. `wanloom validate` and the operator
+# (phase Invalid) refuse them. Moving these into CEL is the rest of issue 13, point 4.
+ADMITTED_BY_THE_API_SERVER = {"bad-topology", "parallelism-product"}
 
 
 def _create(cluster: Any, namespace: str, doc: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:

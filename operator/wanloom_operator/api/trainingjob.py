@@ -61,6 +61,25 @@ DType = Literal["float32", "bfloat16"]
 Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Invalid"]
 
 
+# A dataset, weights or checkpoint location: gs://bucket[/prefix] or a path. The CEL rule mirrors
+# validation._check_uris so `kubectl apply` refuses what `wanloom validate` refuses.
+StorageURI = Annotated[
+    str,
+    Field(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!self.contains('://') || self.matches('^gs://[^/]+')",
+                    "message": "use gs://bucket/prefix or a path (no other scheme, and a bucket after gs://)",
+                }
+            ]
+        }
+    ),
+]
+# GPUs per node of the node types GKE offers; perNode must divide it.
+GPUS_PER_NODE = {"h100": 8, "h200": 8, "b200": 8}
+
+
 def _cel_list(values: Any) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -81,7 +100,7 @@ class ModelSpec(_Model):
         description="Wan model to train; 'tiny', 'tiny-i2v' and 'tiny-ti2v' are toy models of the three modes for "
         "CPU runs."
     )
-    weights: str | None = Field(
+    weights: StorageURI | None = Field(
         None,
         description="Diffusers-layout checkpoint root (gs:// or a path) with transformer/ (high-noise expert) and "
         "transformer_2/ (low-noise); unset starts from random weights.",
@@ -123,11 +142,11 @@ class SyntheticDataSpec(_Model):
 
 
 class DataSpec(_Model):
-    uri: str = Field(
+    uri: StorageURI = Field(
         min_length=1,
         description="Dataset root (gs://bucket/prefix or a path) holding WebDataset shards of precomputed latents.",
     )
-    index: str | None = Field(None, description="Shape index file; defaults to <uri>/index.json.")
+    index: StorageURI | None = Field(None, description="Shape index file; defaults to <uri>/index.json.")
     synthetic: SyntheticDataSpec | None = Field(
         None, description="Generate a synthetic mixed-shape dataset at uri first if none is there (local runs)."
     )
@@ -174,7 +193,7 @@ class AdaptiveLoadSpec(_Model):
         description="Step-time model: power t=a+b*B*S^p, two-term t=a+B*(alpha*S+beta*S^2), auto picks by "
         "held-out error (analytic FLOPs when no benchmark exists).",
     )
-    bench_file: str | None = Field(None, description="Shape-benchmark JSON (wanloom plan --bench) to fit from.")
+    bench_file: StorageURI | None = Field(None, description="Shape-benchmark JSON (wanloom plan --bench) to fit from.")
     buckets: list[BucketSpec] | None = Field(
         None, description="Shape buckets; derived from the dataset's shape index when unset."
     )
@@ -226,7 +245,7 @@ class OptimizerSpec(_Model):
 
 
 class CheckpointSpec(_Model):
-    uri: str | None = Field(None, description="Checkpoint root (gs:// or a path); unset disables checkpoints.")
+    uri: StorageURI | None = Field(None, description="Checkpoint root (gs:// or a path); unset disables checkpoints.")
     interval: int = Field(1000, ge=1, description="Steps between checkpoints.")
     keep: int = Field(3, ge=1, description="Checkpoints retained (oldest deleted first).")
 
@@ -254,6 +273,11 @@ class TPUSpec(_Model):
 
 
 class GPUSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = tuple(
+        (f"self.type != '{kind}' || {n} % self.perNode == 0", f"{kind} nodes have {n} GPUs; perNode must divide {n}",
+         ".perNode")
+        for kind, n in GPUS_PER_NODE.items()
+    )  # fmt: skip
     type: Literal["h100", "h200", "b200", "other"] = Field(description="GPU model; sets the node selector.")
     per_node: int = Field(8, ge=1, le=16, description="GPUs per node (pod).")
     nodes: int = Field(1, ge=1, le=4096, description="Nodes (pods).")
@@ -292,6 +316,11 @@ class ResourcesSpec(_Model):
             "exactly one of tpu, gpu or cpu must be set",
         ),
         ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax", ".backend"),
+        (
+            "!has(self.cpu) || !has(self.backend) || self.backend != 'torch' || self.cpu.devicesPerNode == 1",
+            "the torch backend on cpu runs one process per device: devicesPerNode must be 1 (use nodes)",
+            ".cpu.devicesPerNode",
+        ),
     )
     tpu: TPUSpec | None = Field(None, description="TPU v7x slices (JAX backend).")
     gpu: GPUSpec | None = Field(None, description="NVIDIA GPU nodes.")

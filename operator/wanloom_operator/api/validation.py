@@ -20,12 +20,12 @@ from wanloom_operator.api.topology import tpu7x_slice
 from wanloom_operator.api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
+    GPUS_PER_NODE,
     TrainingJob,
     TrainingJobSpec,
 )
 
 _URI_SCHEMES = ("gs://",)
-_GPUS_PER_NODE = {"h100": 8, "h200": 8, "b200": 8}
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,8 @@ def _check_resources(spec: TrainingJobSpec) -> Iterator[FieldError]:
             f"the torch backend runs one process per device; use nodes for more processes "
             f"(got devicesPerNode {res.cpu.devices_per_node})",
         )
-    if res.gpu is not None and res.gpu.type in _GPUS_PER_NODE:
-        per_node = _GPUS_PER_NODE[res.gpu.type]
+    if res.gpu is not None and res.gpu.type in GPUS_PER_NODE:
+        per_node = GPUS_PER_NODE[res.gpu.type]
         if per_node % res.gpu.per_node:
             yield FieldError(
                 "spec.resources.gpu.perNode",
