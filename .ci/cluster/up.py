@@ -153,7 +153,13 @@ AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
-    "rules": [{"level": "Metadata", "userGroups": ["system:serviceaccounts"]}, {"level": "None"}],
+    # Service accounts (the operator on the chart's RBAC) in full, and the admin's writes (the operator run as
+    # admin: how many JobSets it really created).
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "Metadata", "users": ["admin"], "verbs": ["create", "update", "patch", "delete"]},
+        {"level": "None"},
+    ],
 }
 
 

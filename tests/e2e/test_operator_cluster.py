@@ -12,6 +12,7 @@ run a Python image without the trainer and the job ends Failed.)
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -274,6 +275,65 @@ def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: A
     finally:
         api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
         _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 120)
+        operator.terminate()
+        operator.communicate(timeout=60)
+        core.delete_namespace(namespace)
+
+
+JOBS_UNDER_FAULTS, OPERATOR_KILLS, CONVERGE_S = 30, 5, 240
+
+
+def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s: Any, cluster: Any) -> None:
+    """30 TrainingJobs while the operator is SIGKILLed at random points and restarted 5 times: every job ends
+    Succeeded with exactly one JobSet, owned by it, and nothing orphaned."""
+    import random
+    import signal
+    import uuid
+
+    core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
+    namespace = f"wanloom-e2e-kill-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    rng = random.Random(13)
+    operator = _start_operator(cluster, namespace)
+    try:
+        names = [f"kill-{i:02d}" for i in range(JOBS_UNDER_FAULTS)]
+        for name in names:
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _trainingjob(name, namespace))
+        for _ in range(OPERATOR_KILLS):
+            time.sleep(rng.uniform(0.5, 4.0))
+            operator.send_signal(signal.SIGKILL)
+            operator.communicate(timeout=30)
+            operator = _start_operator(cluster, namespace)
+        started = time.monotonic()
+
+        def phases() -> dict[str, str | None]:
+            items = api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+            return {j["metadata"]["name"]: (j.get("status") or {}).get("phase") for j in items}
+
+        _wait(lambda: set(phases().values()) == {"Succeeded"}, "every job Succeeded", timeout=CONVERGE_S)
+        print(f"converged {time.monotonic() - started:.1f} s after the last restart")
+        uids = {j["metadata"]["name"]: j["metadata"]["uid"]
+                for j in api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]}  # fmt: skip
+        jobsets = api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+        assert sorted(j["metadata"]["name"] for j in jobsets) == names
+        for jobset in jobsets:
+            [owner] = jobset["metadata"]["ownerReferences"]
+            assert owner["uid"] == uids[jobset["metadata"]["name"]], jobset["metadata"]
+        # One creation each: the API server's audit log counts the JobSet creates that succeeded (a retry after a
+        # kill may try again and get 409, which is fine; a second 201 would be a duplicate run).
+        time.sleep(2)  # the audit backend writes in batches
+        created: dict[str, int] = {}
+        for line in Path(cluster.env["audit_log"]).read_text().splitlines():
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if (event["verb"], ref.get("resource"), ref.get("namespace")) != ("create", "jobsets", namespace):
+                continue
+            if event.get("stage") == "ResponseComplete" and event["responseStatus"]["code"] == 201:
+                created[ref["name"]] = created.get(ref["name"], 0) + 1
+        assert created == dict.fromkeys(names, 1), created
+    finally:
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 180)
         operator.terminate()
         operator.communicate(timeout=60)
         core.delete_namespace(namespace)
