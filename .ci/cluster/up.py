@@ -264,21 +264,26 @@ def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> N
     ])  # fmt: skip
 
 
-# Fake node pools, labelled and tainted as GKE labels them: (pool, nodes, labels, capacity, taint key).
-_TPU_LABELS = {"cloud.google.com/gke-tpu-accelerator": "tpu7x"}
-NODE_POOLS: tuple[tuple[str, int, dict[str, str], dict[str, str], str | None], ...] = (
-    ("cpu", 2, {}, {"cpu": "16", "memory": "64Gi"}, None),
-    ("h100", 2, {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
-     {"cpu": "208", "memory": "1800Gi", "nvidia.com/gpu": "8"}, "nvidia.com/gpu"),
-    ("h200", 2, {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"},
-     {"cpu": "224", "memory": "2900Gi", "nvidia.com/gpu": "8"}, "nvidia.com/gpu"),
-    *(
-        (f"tpu7x-{topology}-{k}", hosts, {**_TPU_LABELS, "cloud.google.com/gke-tpu-topology": topology},
-         {"cpu": "224", "memory": "900Gi", "google.com/tpu": "4"}, "google.com/tpu")
-        for topology, hosts, pools in (("2x2x1", 1, 2), ("4x4x4", 16, 2), ("4x8x8", 64, 1))
-        for k in range(pools)
-    ),
-)  # fmt: skip
+def _node_pools() -> list[tuple[str, int, dict[str, str], dict[str, str], str | None]]:
+    """Fake node pools, labelled, tainted and sized as GKE provisions them (the operator's own machine table):
+    (pool, nodes, labels, capacity, taint key)."""
+    from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, MACHINES
+
+    def capacity(kind: str, resource: str) -> dict[str, str]:
+        m = MACHINES[kind]
+        return {"cpu": str(m.vcpus), "memory": f"{m.memory_gb}G", resource: str(m.accelerators)}
+
+    pools = [("cpu", 2, {}, {"cpu": "16", "memory": "64Gi"}, None)]
+    for kind in ("h100", "h200"):
+        labels = {"cloud.google.com/gke-accelerator": GKE_GPU_ACCELERATORS[kind]}
+        pools.append((kind, 2, labels, capacity(kind, "nvidia.com/gpu"), "nvidia.com/gpu"))
+    for topology, hosts, count in (("2x2x1", 1, 2), ("4x4x4", 16, 2), ("4x8x8", 64, 1)):
+        labels = {"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": topology}
+        for k in range(count):
+            pools.append(
+                (f"tpu7x-{topology}-{k}", hosts, labels, capacity("tpu7x", "google.com/tpu"), "google.com/tpu")
+            )
+    return pools
 
 
 def fake_nodes() -> None:
@@ -287,7 +292,7 @@ def fake_nodes() -> None:
 
     config.load_kube_config(str(STATE / "kubeconfig"))
     core = client.CoreV1Api()
-    for pool, count, labels, capacity, taint in NODE_POOLS:
+    for pool, count, labels, capacity, taint in _node_pools():
         for i in range(count):
             name = f"{pool}-{i}"
             node = {

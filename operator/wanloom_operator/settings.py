@@ -66,6 +66,13 @@ class OperatorSettings(BaseModel):
     cpu_pod_requests: dict[str, str] = Field(
         default_factory=lambda: {"cpu": "500m", "memory": "1Gi"}, description="Requests of CPU-only trainer pods."
     )
+    termination_grace_seconds: int = Field(
+        300,
+        ge=30,
+        le=3600,
+        description="Trainer pods' terminationGracePeriodSeconds: SIGTERM checkpoints after the current step, "
+        "which must commit within it (a spot VM's preemption notice is 30 s whatever this says).",
+    )
 
     @field_validator("rank0_address")
     @classmethod
@@ -118,6 +125,7 @@ ENV: dict[str, str] = {
     "dns_policy": "WANLOOM_DNS_POLICY",
     "megascale_port": "WANLOOM_MEGASCALE_PORT",
     "cpu_pod_requests": "WANLOOM_CPU_POD_REQUESTS",
+    "termination_grace_seconds": "WANLOOM_TERMINATION_GRACE_SECONDS",
 }
 
 

@@ -343,3 +343,39 @@ def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s
         operator.terminate()
         operator.communicate(timeout=60)
         core.delete_namespace(namespace)
+
+
+def test_a_configuration_error_fails_the_job_without_restarts(
+    k8s: Any, namespace: str, operator: Any, fake_nodes: bool
+) -> None:
+    """The trainer exits with keys.EXIT_CONFIG_ERROR: the pod failure policy and the JobSet rule fail it at once,
+    with maxRestarts left unused (a restart would fail the same way)."""
+    if not fake_nodes:
+        pytest.skip("KWOK sets the exit code on request (WANLOOM_E2E_FAIL)")
+    from wanloom_operator.api.keys import EXIT_CONFIG_ERROR
+
+    doc = _trainingjob("e2e-config-error", namespace, maxRestarts=3)
+    doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": str(EXIT_CONFIG_ERROR)}]
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    status = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-config-error").get("status") or {}).get("phase") == "Failed" and s,
+        "phase Failed",
+    )
+    assert status["restarts"] == 0, status
+
+
+def test_trainer_pods_are_burstable_non_root_and_have_time_to_checkpoint(
+    k8s: Any, namespace: str, operator: Any, fake_nodes: bool
+) -> None:
+    """What the API server makes of the rendered pod: not BestEffort (requests from the machine type), no root,
+    no privilege escalation, RuntimeDefault seccomp, a grace period long enough for a SIGTERM checkpoint."""
+    doc = _trainingjob("e2e-podspec", namespace)
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    [pod] = _wait(lambda: _pods(k8s, namespace, "e2e-podspec"), "the pod")
+    assert pod.status.qos_class == "Burstable"
+    assert (
+        pod.spec.security_context.run_as_non_root and pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+    )
+    container = pod.spec.containers[0].security_context
+    assert container.allow_privilege_escalation is False and container.capabilities.drop == ["ALL"]
+    assert pod.spec.termination_grace_period_seconds >= 300

@@ -2,8 +2,9 @@
 
 Reads the TrainingJob named by ``WANLOOM_CONFIG`` and the rest of the start-up contract from the environment
 (docs/startup-contract.md), prepares the JAX platform before jax is imported, and runs the backend-agnostic
-driver, which picks the JAX or PyTorch backend from ``spec.resources``. Exit status 1 with one clear line on a
-configuration error; any other failure propagates (JobSet's failure policy decides about restarts).
+driver, which picks the JAX or PyTorch backend from ``spec.resources``. Exit status ``keys.EXIT_CONFIG_ERROR``
+(3) with one clear line on a configuration error, which the JobSet does not retry; any other failure propagates
+(JobSet's failure policy decides about restarts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint file operation at INFO
+    from wanloom_operator.api.keys import EXIT_CONFIG_ERROR
     from wanloom_operator.api.validation import InvalidTrainingJob
     from wanloom_trainer.config.train_config import load_train_config
 
@@ -23,7 +25,7 @@ def main() -> int:
         config = load_train_config(os.environ)
     except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
         print(f"wanloom trainer: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_CONFIG_ERROR
     from wanloom_trainer.distributed import prepare_platform
 
     prepare_platform(config)  # before jax is imported anywhere

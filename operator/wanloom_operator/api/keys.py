@@ -13,6 +13,9 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "wanloom-operator"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_SPEC_HASH = "wanloom.dev/spec-hash"
+# The trainer's exit status when its configuration cannot run (a bad spec, a missing file): restarting would fail
+# the same way, so the pod failure policy fails the JobSet at once instead of retrying maxRestarts times.
+EXIT_CONFIG_ERROR = 3
 
 # Labels and annotations JobSet and Kubernetes put on pods (read through the downward API).
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"

@@ -10,11 +10,35 @@ TENSORCORES_PER_TPU7X_CHIP = 2  # each TensorCore is one JAX device
 _SMALL_TPU7X_TOPOLOGIES = ("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4")
 _MAX_CUBES = 144
 
+
+@dataclass(frozen=True)
+class Machine:
+    """A node's machine type as GKE provisions it for the accelerator (Compute Engine's published shapes)."""
+
+    name: str
+    vcpus: int
+    memory_gb: int
+    accelerators: int  # TPU chips or GPUs per VM
+
+
+# TPU7x: 4-chip VM, 224 vCPU, 960 GB (cloud.google.com/tpu/docs/tpu7x); GPU: the 8-GPU A3/A4 shapes.
+MACHINES = {
+    "tpu7x": Machine("tpu7x-standard-4t", 224, 960, 4),
+    "h100": Machine("a3-highgpu-8g", 208, 1872, 8),
+    "h200": Machine("a3-ultragpu-8g", 224, 2952, 8),
+    "b200": Machine("a4-highgpu-8g", 224, 3968, 8),
+}
+
 GKE_GPU_ACCELERATORS = {
     "h100": "nvidia-h100-80gb",
     "h200": "nvidia-h200-141gb",
     "b200": "nvidia-b200",
 }
+GPUS_PER_NODE = {kind: MACHINES[kind].accelerators for kind in GKE_GPU_ACCELERATORS}
+# Share of a machine's vCPUs and memory a trainer pod requests for its share of the accelerators: what GKE keeps
+# for the kubelet, system daemons and the accelerator's device plugin stays free (allocatable is ~97% of memory
+# on these sizes; daemon sets take a few cores).
+REQUEST_FRACTION = 0.75
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from wanloom_operator.api.topology import GPUS_PER_NODE
+
 GROUP = "wanloom.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -76,8 +78,6 @@ StorageURI = Annotated[
         }
     ),
 ]
-# GPUs per node of the node types GKE offers; perNode must divide it.
-GPUS_PER_NODE = {"h100": 8, "h200": 8, "b200": 8}
 
 
 def _cel_list(values: Any) -> str:

@@ -16,11 +16,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from wanloom_operator.api.topology import tpu7x_slice
+from wanloom_operator.api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_operator.api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
-    GPUS_PER_NODE,
     TrainingJob,
     TrainingJobSpec,
 )

@@ -147,13 +147,21 @@ def _fill_pod(
     spec["tolerations"] = overrides.merge_tolerations(spec["tolerations"], res)
 
 
+def _shm_limit(shape: PodShape) -> dict[str, str]:
+    """/dev/shm (data-loader workers, NCCL) counts against the pod's memory: bound it at a quarter of the request."""
+    memory = shape.resources.get("requests", {}).get("memory", "")
+    if not memory.endswith("G"):
+        return {}
+    return {"sizeLimit": f"{int(memory[:-1]) // 4}G"}
+
+
 def _operator_volumes(
     names: Names, shape: PodShape, settings: OperatorSettings
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The config mount, shared memory for data-loader workers and NCCL, and a scratch run directory."""
     volumes = [
         {"name": "wanloom-config", "configMap": {"name": names.configmap}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", **_shm_limit(shape)}},
         {"name": "wanloom-run", "emptyDir": {}},
     ]
     mounts = [

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from wanloom_operator.api import keys
-from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, tpu7x_slice
+from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, MACHINES, REQUEST_FRACTION, Machine, tpu7x_slice
 from wanloom_operator.api.trainingjob import TrainingJobSpec
 from wanloom_operator.settings import OperatorSettings
 
@@ -69,7 +69,10 @@ def _tpu_shape(spec: TrainingJobSpec) -> PodShape:
         devices_per_pod=slice_.devices // slice_.hosts,
         node_selector={TPU_ACCELERATOR_LABEL: tpu.type, TPU_TOPOLOGY_LABEL: tpu.topology},
         tolerations=({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},),
-        resources={"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}},
+        resources={
+            "requests": {TPU_RESOURCE: chips, **_host_share(MACHINES[tpu.type], slice_.chips_per_host)},
+            "limits": {TPU_RESOURCE: chips},
+        },
         host_network=host_network,
         exclusive_topology=GKE_NODEPOOL_LABEL,
     )
@@ -91,7 +94,13 @@ def _gpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
         # type 'other' without a label: no accelerator selector; spec.resources.nodeSelector places the pods.
         node_selector={settings.gpu_accelerator_label_key: label} if label else {},
         tolerations=({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},),
-        resources={"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}},
+        resources={
+            "requests": {
+                GPU_RESOURCE: gpus,
+                **(_host_share(MACHINES[gpu.type], gpu.per_node) if gpu.type in MACHINES else {}),
+            },
+            "limits": {GPU_RESOURCE: gpus},
+        },
         host_network=bool(spec.resources.host_network),
         coordinator_port=keys.TORCH_MASTER_PORT if backend == "torch" else keys.JAX_COORDINATOR_PORT,
     )
@@ -112,6 +121,14 @@ def _cpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
         host_network=bool(spec.resources.host_network),
         coordinator_port=keys.TORCH_MASTER_PORT if backend == "torch" else keys.JAX_COORDINATOR_PORT,
     )
+
+
+def _host_share(machine: Machine, accelerators: int) -> dict[str, str]:
+    """CPU and memory requests for a pod using ``accelerators`` of ``machine``'s: its share, less what GKE keeps
+    (``REQUEST_FRACTION``), so the pod is Burstable, not BestEffort, and Kueue can account for it. GPU type
+    'other' has no known machine and requests only GPUs."""
+    share = REQUEST_FRACTION * accelerators / machine.accelerators
+    return {"cpu": str(int(machine.vcpus * share)), "memory": f"{int(machine.memory_gb * share)}G"}
 
 
 def trainer_image(spec: TrainingJobSpec, settings: OperatorSettings) -> str:

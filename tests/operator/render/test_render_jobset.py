@@ -77,11 +77,14 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
     [rjob] = js["spec"]["replicatedJobs"]
     job_spec = rjob["template"]["spec"]
     assert job_spec["backoffLimit"] == 0 and job_spec["parallelism"] == job_spec["completions"]
-    assert job_spec["podFailurePolicy"]["rules"][0]["onPodConditions"][0]["type"] == "DisruptionTarget"
+    config_error, disruption = job_spec["podFailurePolicy"]["rules"]
+    assert config_error["onExitCodes"]["values"] == [keys.EXIT_CONFIG_ERROR]
+    assert disruption["onPodConditions"][0]["type"] == "DisruptionTarget"
     failure = js["spec"]["failurePolicy"]
     assert failure["maxRestarts"] == job.spec.max_restarts
-    assert failure["rules"][0]["action"] == "RestartJobSetAndIgnoreMaxRestarts"
-    assert failure["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+    # A configuration error fails at once; any other pod-rule failure (a disruption) restarts for free.
+    assert [r["action"] for r in failure["rules"]] == ["FailJobSet", "RestartJobSetAndIgnoreMaxRestarts"]
+    assert all(r["onJobFailureReasons"] == ["PodFailurePolicy"] for r in failure["rules"])
     assert js["spec"]["suspend"] is (job.spec.suspend or job.spec.resources.queue_name is not None)
     env = _env(rendered)
     assert set(env) >= CONTRACT_ENV
@@ -91,7 +94,12 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes[mounts[keys.CONFIG_MOUNT_DIR]]["configMap"]["name"] == cm["metadata"]["name"]
-    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    requests = trainer_container(js)["resources"]["requests"]
+    if requests.get("memory", "").endswith("G"):  # an accelerator machine: a quarter of the memory request
+        assert shm["sizeLimit"] == f"{int(requests['memory'][:-1]) // 4}G"
+        assert int(requests["cpu"]) > 0  # never BestEffort
     assert {"name": "metrics", "containerPort": job.spec.metrics_port, "protocol": "TCP"} in container["ports"]
     # The trainer reads back exactly the validated spec (suspend is the operator's business).
     config = parse_trainingjob(yaml.safe_load(cm["data"][keys.CONFIG_FILE_NAME]))
