@@ -69,38 +69,38 @@ build_etcd() {
   echo "ETCD_BIN=$bin"
 }
 
-build_jobset() {
-  local bin="$CACHE/jobset-$JOBSET_VERSION"
-  if [ ! -x "$bin/jobset-controller" ] || [ ! -f "$bin/jobset-webhooks.yaml" ]; then
-    log "building the JobSet controller $JOBSET_VERSION"
-    local work="$CACHE/src/jobset-$JOBSET_VERSION"
-    throwaway "$work" "sigs.k8s.io/jobset $JOBSET_VERSION"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/jobset"\n' > "$work/tools.go"
+# A release module without replace directives: one package of it built in a throwaway module.
+#   build_module DIR_NAME MODULE VERSION PACKAGE BINARY
+build_module() {
+  local bin="$CACHE/$1" module="$2" version="$3" package="$4" binary="$5"
+  if [ ! -x "$bin/$binary" ]; then
+    log "building $package $version"
+    local work="$CACHE/src/$1"
+    throwaway "$work" "$module $version"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$package" > "$work/tools.go"
     mkdir -p "$bin"
-    (cd "$work" && go mod tidy -e >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/jobset-controller.tmp" sigs.k8s.io/jobset)
+    (cd "$work" && go mod tidy -e >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/$binary.tmp" "$package") >&2
+    mv "$bin/$binary.tmp" "$bin/$binary"
+  fi
+  echo "$bin"
+}
+
+build_jobset() {
+  local bin
+  bin="$(build_module "jobset-$JOBSET_VERSION" sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset jobset-controller)"
+  if [ ! -f "$bin/jobset-webhooks.yaml" ]; then
     # The CRD and webhook rules ship inside the module: the cluster serves the version the controller was built
     # from.
     local dir
-    dir="$(cd "$work" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
+    dir="$(cd "$CACHE/src/jobset-$JOBSET_VERSION" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
     cp "$dir/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$bin/jobset-crd.yaml"
     cp "$dir/config/components/webhook/manifests.yaml" "$bin/jobset-webhooks.yaml"
-    mv "$bin/jobset-controller.tmp" "$bin/jobset-controller"
   fi
   echo "JOBSET_BIN=$bin"
 }
 
 build_kwok() {
-  local bin="$CACHE/kwok-$KWOK_VERSION"
-  if [ ! -x "$bin/kwok" ]; then
-    log "building KWOK $KWOK_VERSION (fake nodes and pods)"
-    local work="$CACHE/src/kwok-$KWOK_VERSION"
-    throwaway "$work" "sigs.k8s.io/kwok $KWOK_VERSION"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kwok/cmd/kwok"\n' > "$work/tools.go"
-    mkdir -p "$bin"
-    (cd "$work" && go mod tidy -e >/dev/null && go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok)
-    mv "$bin/kwok.tmp" "$bin/kwok"
-  fi
-  echo "KWOK_BIN=$bin"
+  echo "KWOK_BIN=$(build_module "kwok-$KWOK_VERSION" sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok)"
 }
 
 command -v go >/dev/null || { log "the Go toolchain is needed to build the control plane (go.dev/dl)"; exit 1; }

@@ -11,6 +11,7 @@ run a Python image without the trainer and the job ends Failed.)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -244,25 +245,58 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
     assert any(c["type"] == "Failed" and c["status"] == "True" for c in status["conditions"])
 
 
-def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: Any, cluster: Any) -> None:
-    """The operator is SIGKILLed once the JobSet exists; the JobSet finishes and its TTL deletes it; the operator,
-    back, must end the TrainingJob rather than create the JobSet again."""
-    import signal
+class _Operator:
+    """An operator process of one namespace that a test may SIGKILL and start again."""
+
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        self.cluster, self.namespace = cluster, namespace
+        self.process = _start_operator(cluster, namespace)
+
+    def kill(self) -> None:
+        import signal
+
+        self.process.send_signal(signal.SIGKILL)
+        self.process.communicate(timeout=30)
+
+    def restart(self) -> None:
+        self.kill()
+        self.process = _start_operator(self.cluster, self.namespace)
+
+
+@contextlib.contextmanager
+def _own_operator(k8s: Any, cluster: Any, prefix: str) -> Iterator[tuple[str, _Operator]]:
+    """A fresh namespace with its own operator; on the way out its TrainingJobs are deleted (while an operator
+    runs, to lift the finalizers), then the operator stopped and the namespace deleted."""
     import uuid
 
     core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
-    namespace = f"wanloom-e2e-ttl-{uuid.uuid4().hex[:6]}"
+    namespace = f"wanloom-e2e-{prefix}-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": namespace}})
-    operator = _start_operator(cluster, namespace)
+    operator = _Operator(cluster, namespace)
     try:
+        yield namespace, operator
+    finally:
+        if operator.process.poll() is not None:
+            operator.process = _start_operator(cluster, namespace)
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 180)
+        operator.process.terminate()
+        operator.process.communicate(timeout=60)
+        core.delete_namespace(namespace)
+
+
+def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: Any, cluster: Any) -> None:
+    """The operator is SIGKILLed once the JobSet exists; the JobSet finishes and its TTL deletes it; the operator,
+    back, must end the TrainingJob rather than create the JobSet again."""
+    api = k8s.client.CustomObjectsApi()
+    with _own_operator(k8s, cluster, "ttl") as (namespace, operator):
         api.create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, _trainingjob("e2e-ttl", namespace, ttlSecondsAfterFinished=0)
         )
         _wait(lambda: (_get(k8s, namespace, "e2e-ttl").get("status") or {}).get("createdSpecHash"), "JobSet created")
-        operator.send_signal(signal.SIGKILL)
-        operator.communicate(timeout=30)
+        operator.kill()
         _wait(lambda: _jobset(k8s, namespace, "e2e-ttl") is None, "the finished JobSet deleted by its TTL")
-        operator = _start_operator(cluster, namespace)
+        operator.process = _start_operator(cluster, namespace)
         status = _wait(
             lambda: (
                 (s := _get(k8s, namespace, "e2e-ttl").get("status") or {}).get("phase") in ("Succeeded", "Failed") and s
@@ -272,12 +306,6 @@ def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: A
         assert "deleted before its outcome was recorded" in status["message"], status
         time.sleep(5)  # a re-created JobSet would show up within a reconcile
         assert _jobset(k8s, namespace, "e2e-ttl") is None
-    finally:
-        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 120)
-        operator.terminate()
-        operator.communicate(timeout=60)
-        core.delete_namespace(namespace)
 
 
 JOBS_UNDER_FAULTS, OPERATOR_KILLS, CONVERGE_S = 30, 5, 240
@@ -287,23 +315,16 @@ def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s
     """30 TrainingJobs while the operator is SIGKILLed at random points and restarted 5 times: every job ends
     Succeeded with exactly one JobSet, owned by it, and nothing orphaned."""
     import random
-    import signal
-    import uuid
 
-    core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
-    namespace = f"wanloom-e2e-kill-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": namespace}})
+    api = k8s.client.CustomObjectsApi()
     rng = random.Random(13)
-    operator = _start_operator(cluster, namespace)
-    try:
+    with _own_operator(k8s, cluster, "kill") as (namespace, operator):
         names = [f"kill-{i:02d}" for i in range(JOBS_UNDER_FAULTS)]
         for name in names:
             api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _trainingjob(name, namespace))
         for _ in range(OPERATOR_KILLS):
             time.sleep(rng.uniform(0.5, 4.0))
-            operator.send_signal(signal.SIGKILL)
-            operator.communicate(timeout=30)
-            operator = _start_operator(cluster, namespace)
+            operator.restart()
         started = time.monotonic()
 
         def phases() -> dict[str, str | None]:
@@ -337,12 +358,6 @@ def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s
                 deleted.append(ref["name"])
         assert all(n <= 1 for n in created.values()) and set(created) <= set(names), created
         assert len(created) >= JOBS_UNDER_FAULTS - OPERATOR_KILLS and not deleted, (created, deleted)
-    finally:
-        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 180)
-        operator.terminate()
-        operator.communicate(timeout=60)
-        core.delete_namespace(namespace)
 
 
 def test_a_configuration_error_fails_the_job_without_restarts(

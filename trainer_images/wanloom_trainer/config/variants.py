@@ -7,6 +7,7 @@ Pure Python: AdaptiveLoad, FLOP accounting and both trainers read it without imp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Diffusers layout of a two-expert checkpoint, indexed by routing's expert id (0 high-noise, 1 low-noise);
@@ -84,6 +85,10 @@ class WanVariant:
         return self.tokens(*self.latent_shape(frames, height, width))
 
 
+_TINY = WanVariant(
+    name="tiny", dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_channels=4, out_channels=4, text_dim=32,
+    text_len=16, freq_dim=32,
+)  # fmt: skip
 VARIANTS: dict[str, WanVariant] = {
     "wan2.2-t2v-a14b": WanVariant(
         name="wan2.2-t2v-a14b", dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=16, out_channels=16
@@ -112,47 +117,11 @@ VARIANTS: dict[str, WanVariant] = {
     ),
     # A two-expert model small enough to train on a laptop CPU in a minute; the shapes match the test model in
     # diffusers' own Wan tests so parity checks stay cheap.
-    "tiny": WanVariant(
-        name="tiny",
-        dim=32,
-        ffn_dim=64,
-        num_heads=2,
-        num_layers=2,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        text_len=16,
-        freq_dim=32,
-    ),
+    "tiny": _TINY,
     # The I2V-A14B layout at tiny size: two experts whose input is x_t (4) + mask (4) + first-frame latents (4).
-    "tiny-i2v": WanVariant(
-        name="tiny-i2v",
-        dim=32,
-        ffn_dim=64,
-        num_heads=2,
-        num_layers=2,
-        in_channels=12,
-        out_channels=4,
-        text_dim=32,
-        text_len=16,
-        freq_dim=32,
-        condition_channels=8,
-    ),
+    "tiny-i2v": dataclasses.replace(_TINY, name="tiny-i2v", in_channels=12, condition_channels=8),
     # The TI2V-5B layout at tiny size: one model with per-token timesteps (the image rides in latent frame 0).
-    "tiny-ti2v": WanVariant(
-        name="tiny-ti2v",
-        dim=32,
-        ffn_dim=64,
-        num_heads=2,
-        num_layers=2,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        text_len=16,
-        freq_dim=32,
-        two_experts=False,
-        per_token_timesteps=True,
-    ),
+    "tiny-ti2v": dataclasses.replace(_TINY, name="tiny-ti2v", two_experts=False, per_token_timesteps=True),
 }
 
 
