@@ -394,3 +394,22 @@ def test_trainer_pods_are_burstable_non_root_and_have_time_to_checkpoint(
     container = pod.spec.containers[0].security_context
     assert container.allow_privilege_escalation is False and container.capabilities.drop == ["ALL"]
     assert pod.spec.termination_grace_period_seconds >= 300
+
+
+def test_a_disrupted_pod_restarts_the_job_without_using_up_max_restarts(
+    k8s: Any, namespace: str, operator: Any, fake_nodes: bool
+) -> None:
+    """Preemption or a node drain (pod condition DisruptionTarget) restarts the JobSet for free: with maxRestarts
+    0, two disruptions in a row still leave the job restarting, not Failed."""
+    if not fake_nodes:
+        pytest.skip("KWOK evicts the pod on request (WANLOOM_E2E_DISRUPT)")
+    doc = _trainingjob("e2e-disrupted", namespace, maxRestarts=0)
+    doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_DISRUPT", "value": "1"}]
+    api = k8s.client.CustomObjectsApi()
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    status = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-disrupted").get("status") or {}).get("restarts", 0) >= 2 and s,
+        "two restarts after disruptions",
+    )
+    assert status["phase"] != "Failed", status
+    api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e-disrupted")
