@@ -229,8 +229,25 @@ def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, ope
               f"{name} Succeeded")  # fmt: skip
 
 
+def _as_table(cluster: Any, path: str) -> dict[str, Any]:
+    """GET ``path`` as a meta.k8s.io Table, the server-side printing `kubectl get` shows."""
+    import ssl
+    import urllib.request
+
+    config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    server = config["clusters"][0]["cluster"]
+    request = urllib.request.Request(
+        server["server"] + path,
+        headers={"Authorization": f"Bearer {config['users'][0]['user']['token']}",
+                 "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+    )  # fmt: skip
+    context = ssl.create_default_context(cafile=server["certificate-authority"])
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        return json.loads(response.read())
+
+
 def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
-    k8s: Any, namespace: str, operator: Any, fake_nodes: bool
+    k8s: Any, cluster: Any, namespace: str, operator: Any, fake_nodes: bool
 ) -> None:
     if not fake_nodes:
         pytest.skip("KWOK fails the pod on request (WANLOOM_E2E_FAIL); a real pod needs a failing image")
@@ -243,6 +260,11 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
     )
     assert status["restarts"] == 1, status
     assert any(c["type"] == "Failed" and c["status"] == "True" for c in status["conditions"])
+    # `kubectl get tj` as the API server prints it: the CRD's columns over the stored status.
+    table = _as_table(cluster, f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/e2e-fails")
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
+    assert row["Phase"] == "Failed" and row["Restarts"] == 1, row
 
 
 class _Operator:

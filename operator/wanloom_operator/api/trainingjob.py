@@ -478,5 +478,6 @@ PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Step time", "type": "number", "jsonPath": ".status.progress.stepTimeSeconds"},
     {"name": "Load CV", "type": "number", "jsonPath": ".status.progress.loadImbalanceCV"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )

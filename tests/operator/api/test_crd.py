@@ -59,7 +59,14 @@ def test_names_columns_and_status() -> None:
     assert spec["names"]["shortNames"] == ["tj"] and spec["scope"] == "Namespaced"
     version = spec["versions"][0]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Step", "Step time", "Load CV", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase",
+        "Step",
+        "Step time",
+        "Load CV",
+        "Restarts",
+        "Age",
+    ]
 
 
 def test_cel_rules_present_where_cross_field() -> None:
