@@ -58,9 +58,9 @@ def namespace(k8s: Any) -> Iterator[str]:
     core.delete_namespace(name)
 
 
-def _start_operator(cluster: Any, namespace: str) -> subprocess.Popen[str]:
+def _start_operator(cluster: Any, namespace: str, progress_interval: int = 5) -> subprocess.Popen[str]:
     """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster."""
-    env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": "5", "WANLOOM_LOG_FORMAT": "plain",
+    env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": str(progress_interval), "WANLOOM_LOG_FORMAT": "plain",
            "KUBECONFIG": cluster.kubeconfig}  # fmt: skip
     if TRAINER_IMAGE:
         env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
@@ -270,9 +270,9 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
 class _Operator:
     """An operator process of one namespace that a test may SIGKILL and start again."""
 
-    def __init__(self, cluster: Any, namespace: str) -> None:
-        self.cluster, self.namespace = cluster, namespace
-        self.process = _start_operator(cluster, namespace)
+    def __init__(self, cluster: Any, namespace: str, progress_interval: int = 5) -> None:
+        self.cluster, self.namespace, self.interval = cluster, namespace, progress_interval
+        self.process = _start_operator(cluster, namespace, progress_interval)
 
     def kill(self) -> None:
         import signal
@@ -282,11 +282,11 @@ class _Operator:
 
     def restart(self) -> None:
         self.kill()
-        self.process = _start_operator(self.cluster, self.namespace)
+        self.process = _start_operator(self.cluster, self.namespace, self.interval)
 
 
 @contextlib.contextmanager
-def _own_operator(k8s: Any, cluster: Any, prefix: str) -> Iterator[tuple[str, _Operator]]:
+def _own_operator(k8s: Any, cluster: Any, prefix: str, progress_interval: int = 5) -> Iterator[tuple[str, _Operator]]:
     """A fresh namespace with its own operator; on the way out its TrainingJobs are deleted (while an operator
     runs, to lift the finalizers), then the operator stopped and the namespace deleted."""
     import uuid
@@ -294,7 +294,7 @@ def _own_operator(k8s: Any, cluster: Any, prefix: str) -> Iterator[tuple[str, _O
     core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
     namespace = f"wanloom-e2e-{prefix}-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": namespace}})
-    operator = _Operator(cluster, namespace)
+    operator = _Operator(cluster, namespace, progress_interval)
     try:
         yield namespace, operator
     finally:
@@ -435,3 +435,23 @@ def test_a_disrupted_pod_restarts_the_job_without_using_up_max_restarts(
     )
     assert status["phase"] != "Failed", status
     api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e-disrupted")
+
+
+def test_active_deadline_bounds_the_whole_run_across_restarts(k8s: Any, cluster: Any) -> None:
+    """Each attempt fails after 4 s and maxRestarts allows 20 more; a 15 s activeDeadlineSeconds must still end
+    the run (Failed, DeadlineExceeded) long before the restarts run out, and stop its pods."""
+    api = k8s.client.CustomObjectsApi()
+    with _own_operator(k8s, cluster, "deadline", progress_interval=2) as (namespace, _):
+        doc = _trainingjob("e2e-deadline", namespace, maxRestarts=20, activeDeadlineSeconds=15)
+        doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": "1"}]
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        status = _wait(
+            lambda: (s := _get(k8s, namespace, "e2e-deadline").get("status") or {}).get("phase") == "Failed" and s,
+            "phase Failed",
+            timeout=90,
+        )
+        assert any(c["type"] == "Failed" and c["reason"] == "DeadlineExceeded" for c in status["conditions"]), status
+        assert status["restarts"] < 20, status
+        _wait(lambda: (_jobset(k8s, namespace, "e2e-deadline") or {}).get("spec", {}).get("suspend"), "suspended")
+        _wait(lambda: not [p for p in _pods(k8s, namespace, "e2e-deadline") if p.status.phase == "Running"],
+              "no pod left running")  # fmt: skip

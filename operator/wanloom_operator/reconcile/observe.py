@@ -19,7 +19,14 @@ from wanloom_operator.api.validation import validate_trainingjob
 from wanloom_operator.reconcile import progress
 from wanloom_operator.reconcile.children import manifest, owned_by
 from wanloom_operator.reconcile.runtime import Runtime
-from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status
+from wanloom_operator.reconcile.status import (
+    DEADLINE_EXCEEDED,
+    Intent,
+    changed,
+    derive_phase,
+    derive_status,
+    run_deadline,
+)
 from wanloom_operator.render.names import Names, job_names
 from wanloom_operator.render.pods import pod_shape
 
@@ -80,13 +87,18 @@ async def refresh(
         return patch
 
     await runtime.cluster.update_trainingjob_status(namespace, name, compute)
+    running = jobset is not None and not (jobset.get("spec") or {}).get("suspend")
+    if running and derive_phase(dict(jobset), _intent(body), now).reason == DEADLINE_EXCEEDED:
+        # The run is over: suspending the JobSet deletes its pods and keeps the objects for inspection.
+        await runtime.cluster.patch_jobset(namespace, names.jobset, {"spec": {"suspend": True}})
+        logger.warning(f"spec.activeDeadlineSeconds ran out: suspended JobSet {names.jobset}")
     return scrape
 
 
 def _phase(jobset: Mapping[str, Any] | None, body: Mapping[str, Any]) -> str | None:
     if jobset is None:
         return (body.get("status") or {}).get("phase")
-    return derive_phase(dict(jobset), _intent(body)).phase
+    return derive_phase(dict(jobset), _intent(body), cond.now_rfc3339()).phase
 
 
 async def _read_progress(
@@ -120,5 +132,9 @@ def _names(body: Mapping[str, Any], runtime: Runtime) -> Names | None:
 
 
 def _intent(trainingjob: Mapping[str, Any]) -> Intent:
-    spec = trainingjob.get("spec") or {}
-    return Intent(suspend=bool(spec.get("suspend")), queue_name=(spec.get("resources") or {}).get("queueName"))
+    spec, status = trainingjob.get("spec") or {}, trainingjob.get("status") or {}
+    return Intent(
+        suspend=bool(spec.get("suspend")),
+        queue_name=(spec.get("resources") or {}).get("queueName"),
+        deadline=run_deadline(status.get("startTime"), spec.get("activeDeadlineSeconds")),
+    )

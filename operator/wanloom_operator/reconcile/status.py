@@ -7,6 +7,7 @@ counts of Jobs, but no Running condition; the phase is derived in this order (fi
 |-----------------------------------------------------|------------|
 | condition Completed=True                            | Succeeded  |
 | condition Failed=True                               | Failed     |
+| spec.activeDeadlineSeconds passed since startTime   | Failed     |
 | spec.suspend, and the TrainingJob asks to suspend   | Suspended  |
 | spec.suspend otherwise (Kueue has not admitted it)  | Pending    |
 | condition RestartingJobSet=True                     | Restarting |
@@ -20,11 +21,13 @@ A Job is "ready" in JobSet's count when all its pods are ready or done.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from wanloom_operator.api import conditions as cond
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+DEADLINE_EXCEEDED = "DeadlineExceeded"
 _PHASE_CONDITIONS = {
     "Running": cond.RUNNING,
     "Restarting": cond.RESTARTING,
@@ -40,6 +43,9 @@ class Intent:
 
     suspend: bool = False
     queue_name: str | None = None
+    # When the whole run's spec.activeDeadlineSeconds runs out (status.startTime + it; RFC 3339), restarts
+    # included: a Job's own deadline starts again with every restart.
+    deadline: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,8 @@ class PhaseInfo:
     message: str = ""
 
 
-def derive_phase(jobset: dict[str, Any], intent: Intent) -> PhaseInfo:
-    """The TrainingJob phase for ``jobset`` (see the module table)."""
+def derive_phase(jobset: dict[str, Any], intent: Intent, now: str | None = None) -> PhaseInfo:
+    """The TrainingJob phase for ``jobset`` at ``now`` (see the module table)."""
     status = jobset.get("status") or {}
     true_conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
     if "Completed" in true_conditions:
@@ -58,6 +64,11 @@ def derive_phase(jobset: dict[str, Any], intent: Intent) -> PhaseInfo:
     if "Failed" in true_conditions:
         failed = true_conditions["Failed"]
         return PhaseInfo("Failed", failed.get("reason") or "JobSetFailed", failed.get("message", ""))
+    if intent.deadline is not None and now is not None and parse_time(now) >= intent.deadline:
+        message = (
+            f"spec.activeDeadlineSeconds ran out at {intent.deadline.isoformat()} (the whole run, restarts included)"
+        )
+        return PhaseInfo("Failed", DEADLINE_EXCEEDED, message)
     if (jobset.get("spec") or {}).get("suspend"):
         if intent.suspend:
             return PhaseInfo("Suspended", "Suspended", "spec.suspend is true")
@@ -77,7 +88,7 @@ def derive_phase(jobset: dict[str, Any], intent: Intent) -> PhaseInfo:
 
 def derive_status(jobset: dict[str, Any], intent: Intent, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """The status patch for the TrainingJob owning ``jobset``; ``previous`` is its current status."""
-    info = derive_phase(jobset, intent)
+    info = derive_phase(jobset, intent, now)
     conditions = list(previous.get("conditions") or [])
     for phase, type_ in _PHASE_CONDITIONS.items():
         active = info.phase == phase
@@ -98,6 +109,17 @@ def derive_status(jobset: dict[str, Any], intent: Intent, previous: dict[str, An
         patch["completionTime"] = previous.get("completionTime") or now
         patch["message"] = info.message or info.reason
     return patch
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def run_deadline(start_time: str | None, seconds: int | None) -> datetime | None:
+    """When a run that started at ``start_time`` (RFC 3339) passes ``seconds`` of wall clock; None without both."""
+    if not start_time or not seconds:
+        return None
+    return parse_time(start_time) + timedelta(seconds=seconds)
 
 
 def changed(patch: dict[str, Any], previous: dict[str, Any]) -> bool:

@@ -19,6 +19,7 @@ from wanloom_operator.render.pods import CONTAINER_NAME
 
 DISRUPTION_RULE = "RestartOnPreemptionOrMaintenance"
 CONFIG_ERROR_RULE = "FailOnConfigurationError"
+DEADLINE_RULE = "FailOnDeadline"
 POD_FAILURE_POLICY_REASON = "PodFailurePolicy"  # the Job failure reason when a FailJob pod rule matched
 
 
@@ -50,6 +51,8 @@ def failure_policy(spec: TrainingJobSpec) -> dict[str, Any]:
                 "onJobFailureReasons": [POD_FAILURE_POLICY_REASON],
                 "onJobFailureMessagePatterns": [f"exit code {EXIT_CONFIG_ERROR} matching FailJob rule"],
             },
+            # A Job out of activeDeadlineSeconds ends the run; a restart would only start its clock again.
+            {"name": DEADLINE_RULE, "action": "FailJobSet", "onJobFailureReasons": ["DeadlineExceeded"]},
             {
                 "name": DISRUPTION_RULE,
                 "action": "RestartJobSetAndIgnoreMaxRestarts",

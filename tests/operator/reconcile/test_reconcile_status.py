@@ -65,3 +65,18 @@ def test_transition_times_move_only_on_change() -> None:
     assert times["Running"] == "T3" and times["Succeeded"] == "T3" and times["Suspended"] == "T1"
     assert first["startTime"] == "T1" and "startTime" not in done  # set once, at the first Running
     assert done["completionTime"] == "T3" and done["message"]
+
+
+def test_the_whole_run_deadline_fails_the_job_whatever_the_jobset_says() -> None:
+    """spec.activeDeadlineSeconds counts from the first start, through restarts: a restarting or running JobSet
+    past it is Failed (DeadlineExceeded); before it, the JobSet decides."""
+    from wanloom_operator.reconcile.status import run_deadline
+
+    deadline = run_deadline("2026-12-01T10:00:00Z", 3600)
+    restarting = jobset(conditions=[("RestartingJobSet", "True", "restart 2")])
+    assert derive_phase(restarting, Intent(deadline=deadline), "2026-12-01T10:59:59Z").phase == "Restarting"
+    info = derive_phase(restarting, Intent(deadline=deadline), "2026-12-01T11:00:00Z")
+    assert (info.phase, info.reason) == ("Failed", "DeadlineExceeded")
+    done = jobset(conditions=[("Completed", "True", "x")])
+    assert derive_phase(done, Intent(deadline=deadline), "2026-12-01T12:00:00Z").phase == "Succeeded"
+    assert run_deadline(None, 3600) is None and run_deadline("2026-12-01T10:00:00Z", None) is None

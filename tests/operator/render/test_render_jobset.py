@@ -83,8 +83,9 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
     failure = js["spec"]["failurePolicy"]
     assert failure["maxRestarts"] == job.spec.max_restarts
     # A configuration error fails at once; any other pod-rule failure (a disruption) restarts for free.
-    assert [r["action"] for r in failure["rules"]] == ["FailJobSet", "RestartJobSetAndIgnoreMaxRestarts"]
-    assert all(r["onJobFailureReasons"] == ["PodFailurePolicy"] for r in failure["rules"])
+    assert [r["action"] for r in failure["rules"]] == ["FailJobSet", "FailJobSet", "RestartJobSetAndIgnoreMaxRestarts"]
+    assert [r["onJobFailureReasons"] for r in failure["rules"]] == [["PodFailurePolicy"], ["DeadlineExceeded"],
+                                                                    ["PodFailurePolicy"]]  # fmt: skip
     assert js["spec"]["suspend"] is (job.spec.suspend or job.spec.resources.queue_name is not None)
     env = _env(rendered)
     assert set(env) >= CONTRACT_ENV
