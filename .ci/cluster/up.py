@@ -145,7 +145,8 @@ def wait_url(name: str, url: str, token: str | None = None, ca: Path | None = No
 
 
 def binaries() -> dict[str, Path]:
-    out = subprocess.run([str(HERE / "build.sh")], check=True, capture_output=True, text=True).stdout
+    # stderr passes through: a cold build runs ~20 min and its progress and errors belong in the CI log.
+    out = subprocess.run([str(HERE / "build.sh")], check=True, stdout=subprocess.PIPE, text=True).stdout
     return {k: Path(v) for k, v in (line.split("=", 1) for line in out.split())}
 
 
