@@ -455,3 +455,52 @@ def test_active_deadline_bounds_the_whole_run_across_restarts(k8s: Any, cluster:
         _wait(lambda: (_jobset(k8s, namespace, "e2e-deadline") or {}).get("spec", {}).get("suspend"), "suspended")
         _wait(lambda: not [p for p in _pods(k8s, namespace, "e2e-deadline") if p.status.phase == "Running"],
               "no pod left running")  # fmt: skip
+
+
+def test_a_jobset_event_past_the_deadline_suspends_before_failed_is_written(k8s: Any) -> None:
+    """The JobSet-event path (not the tracker) can be the first to see a run past its deadline. It must suspend
+    the JobSet before it writes Failed: a Failed TrainingJob is never looked at again, so a suspension left for
+    later never happens and the pods keep running. No operator runs here; the event handler's code is called."""
+    import uuid
+
+    api, core = k8s.client.CustomObjectsApi(), k8s.client.CoreV1Api()
+    namespace = f"wanloom-e2e-event-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    try:
+        _deadline_seen_first_by_a_jobset_event(k8s, api, namespace)
+    finally:
+        core.delete_namespace(namespace)
+
+
+def _deadline_seen_first_by_a_jobset_event(k8s: Any, api: Any, namespace: str) -> None:
+    import asyncio
+    from datetime import UTC, datetime, timedelta
+
+    from wanloom_operator.api.validation import validate_trainingjob
+    from wanloom_operator.reconcile import observe
+    from wanloom_operator.reconcile.cluster import Cluster
+    from wanloom_operator.reconcile.runtime import Runtime
+    from wanloom_operator.render.jobset import render_trainingjob
+    from wanloom_operator.settings import OperatorSettings
+
+    doc = _trainingjob("e2e-deadline-event", namespace, activeDeadlineSeconds=60)
+    created = api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    settings = OperatorSettings.from_env({})
+    job = validate_trainingjob(doc).job
+    assert job is not None
+    jobset = render_trainingjob(job, settings, owner_uid=created["metadata"]["uid"]).jobset
+    api.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", jobset)
+    started = (datetime.now(UTC) - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    api.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, "e2e-deadline-event", {"status": {"phase": "Running", "startTime": started}}
+    )
+    runtime = Runtime(settings=settings, cluster=Cluster(k8s.client.ApiClient()))
+    live = _jobset(k8s, namespace, jobset["metadata"]["name"])
+    assert live is not None and not live["spec"].get("suspend")
+
+    written = asyncio.run(observe.mirror_jobset(live, runtime))
+
+    assert written is not None and written["phase"] == "Failed", written
+    assert (_jobset(k8s, namespace, jobset["metadata"]["name"]) or {})["spec"]["suspend"] is True
+    status = _get(k8s, namespace, "e2e-deadline-event")["status"]
+    assert any(c["type"] == "Failed" and c["reason"] == "DeadlineExceeded" for c in status["conditions"]), status

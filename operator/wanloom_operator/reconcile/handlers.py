@@ -120,14 +120,14 @@ async def track(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, l
     """
     runtime: Runtime = memo.runtime
     scrape, interval = None, runtime.settings.progress_interval_seconds
-    await asyncio.sleep(random.uniform(0.0, interval))  # cancelled on stop (cancellation_timeout)
+    await stopped.wait(random.uniform(0.0, interval))
     while not stopped:
         try:
             with runtime.metrics.handler("track"):
                 scrape = await observe.refresh(body, runtime, scrape, logger)
         except ApiError as exc:
             logger.warning(f"status refresh failed, retrying next interval: {exc}")
-        await asyncio.sleep(interval)
+        await stopped.wait(interval)  # returns at once on stop: no cancellation, no escalation
 
 
 async def _reconcile(handler: str, body: kopf.Body, runtime: Runtime, retry: int) -> None:

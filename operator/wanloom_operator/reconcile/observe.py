@@ -44,16 +44,59 @@ async def mirror_jobset(jobset: Mapping[str, Any], runtime: Runtime, now: str | 
     meta, owner = jobset.get("metadata") or {}, owner_name(jobset)
     if owner is None:
         return None
-    now = now or cond.now_rfc3339()
+    return await _write_status(meta["namespace"], owner, jobset, runtime, now or cond.now_rfc3339())
 
-    def compute(trainingjob: dict[str, Any]) -> dict[str, Any] | None:
-        if not owned_by(jobset, trainingjob):
-            return None
-        status = trainingjob.get("status") or {}
-        patch = derive_status(dict(jobset), _intent(trainingjob), status, now)
-        return patch if changed(patch, status) else None
 
-    return await runtime.cluster.update_trainingjob_status(meta["namespace"], owner, compute)
+async def _write_status(
+    namespace: str,
+    name: str,
+    jobset: Mapping[str, Any] | None,
+    runtime: Runtime,
+    now: str,
+    progress_patch: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Derive the status from ``jobset`` (None: keep it) and write it with ``progress_patch``, if anything changed.
+
+    A run past its deadline has its JobSet suspended *before* Failed is written: once the phase is terminal no
+    handler looks at the JobSet again, so a suspension left for later would never happen.
+    """
+    trainingjob = await runtime.cluster.get_trainingjob(namespace, name)
+    if trainingjob is None:
+        return None
+    if jobset is not None and not owned_by(jobset, trainingjob):
+        jobset = None
+    if jobset is not None:
+        jobset = await _stop_past_deadline(jobset, trainingjob, runtime, now)
+
+    def compute(current: dict[str, Any]) -> dict[str, Any]:
+        status = current.get("status") or {}
+        patch: dict[str, Any] = {}
+        if jobset is not None:
+            derived = derive_status(dict(jobset), _intent(current), status, now)
+            patch = derived if changed(derived, status) else {}
+        if progress_patch:
+            patch["progress"] = progress_patch
+        return patch
+
+    return await runtime.cluster.update_trainingjob_status(namespace, name, compute, current=trainingjob)
+
+
+async def _stop_past_deadline(
+    jobset: Mapping[str, Any], trainingjob: Mapping[str, Any], runtime: Runtime, now: str
+) -> Mapping[str, Any]:
+    """Suspend a running JobSet whose run is past spec.activeDeadlineSeconds; the JobSet as it is afterwards.
+
+    Suspending deletes the pods and keeps the objects for inspection.
+    """
+    spec = jobset.get("spec") or {}
+    if spec.get("suspend") or derive_phase(dict(jobset), _intent(trainingjob), now).reason != DEADLINE_EXCEEDED:
+        return jobset
+    meta = jobset["metadata"]
+    await runtime.cluster.patch_jobset(meta["namespace"], meta["name"], {"spec": {"suspend": True}})
+    logging.getLogger(__name__).warning(
+        f"{meta['namespace']}/{meta['name']}: spec.activeDeadlineSeconds ran out, JobSet suspended"
+    )
+    return {**jobset, "spec": {**spec, "suspend": True}}
 
 
 async def refresh(
@@ -76,22 +119,7 @@ async def refresh(
         if scrape is not None:
             progress_patch = progress.progress_patch(scrape, previous, now)
 
-    def compute(trainingjob: dict[str, Any]) -> dict[str, Any]:
-        status = trainingjob.get("status") or {}
-        patch: dict[str, Any] = {}
-        if jobset is not None:
-            derived = derive_status(jobset, _intent(trainingjob), status, now)
-            patch = derived if changed(derived, status) else {}
-        if progress_patch:
-            patch["progress"] = progress_patch
-        return patch
-
-    await runtime.cluster.update_trainingjob_status(namespace, name, compute)
-    running = jobset is not None and not (jobset.get("spec") or {}).get("suspend")
-    if running and derive_phase(dict(jobset), _intent(body), now).reason == DEADLINE_EXCEEDED:
-        # The run is over: suspending the JobSet deletes its pods and keeps the objects for inspection.
-        await runtime.cluster.patch_jobset(namespace, names.jobset, {"spec": {"suspend": True}})
-        logger.warning(f"spec.activeDeadlineSeconds ran out: suspended JobSet {names.jobset}")
+    await _write_status(namespace, name, jobset, runtime, now, progress_patch)
     return scrape
 
 
