@@ -2,12 +2,14 @@
 
 What the API server, not our own code, decides: that the generated CRD (the chart's) is accepted and becomes
 Established, that every shipped job is admitted and comes back with its defaults filled in as our validation
-reads them, and which broken manifests `kubectl apply` already refuses (with the field path) versus those only
-`wanloom validate` and the operator catch.
+reads them, that every broken manifest `wanloom validate` refuses is refused by `kubectl apply` too (with the
+field path), and that the CEL copies of the device-count rules (the tpu7x shape table, the parallelism product)
+decide as `wanloom validate` does on shapes at and around their edges.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,6 @@ from wanloom_operator.api.validation import validate_trainingjob
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 INVALID = Path(__file__).resolve().parents[1] / "operator" / "api" / "invalid"
-# Broken manifests the API server admits today: their rules need the device count of a topology (the tpu7x shape
-# table, the parallelism product), which the CRD's CEL does not compute yet. `wanloom validate` and the operator
-# (phase Invalid) refuse them. Moving these into CEL is the rest of issue 13, point 4.
-ADMITTED_BY_THE_API_SERVER = {"bad-topology", "parallelism-product"}
 
 
 def _create(cluster: Any, namespace: str, doc: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
@@ -80,7 +78,65 @@ def test_broken_manifests_are_refused_with_the_field_path(
         _create(cluster, namespace, doc, dry_run=True)
     except client.ApiException as exc:
         assert exc.status in (400, 422), exc.body
-        assert name not in ADMITTED_BY_THE_API_SERVER, f"{name} is refused now: drop it from the admitted list"
         assert all(path in exc.body for path in expected), (expected, exc.body)
         return
-    assert name in ADMITTED_BY_THE_API_SERVER, f"the API server admits {name}, which wanloom validate refuses"
+    pytest.fail(f"the API server admits {name}, which wanloom validate refuses")
+
+
+# At and around the edges of the tpu7x table: small shapes, the cube rule (multiples of 4, sorted, <= 144 cubes).
+TOPOLOGIES = [
+    *("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4", "1x2x2", "2x2x3", "2x4x2", "4x4x4", "4x4x8", "4x8x8", "8x4x4"),
+    *("4x4x5", "12x12x12", "16x16x16", "20x20x20", "4x4x576", "4x4x580", "8x8x144", "4x12x192"),
+]
+# (resources, parallelism degrees): products that match, miss, divide with -1, would overflow, have a zero.
+PARALLELISM = [
+    ({"tpu": {"topology": "4x4x4", "slices": 2}}, {"data": 2, "fsdp": 32, "context": 4}),
+    ({"tpu": {"topology": "4x4x4", "slices": 2}}, {"data": 2, "fsdp": 32, "context": 2}),
+    ({"tpu": {"topology": "4x4x4", "slices": 2}}, {"data": 3, "fsdp": -1}),
+    ({"tpu": {"topology": "2x2x1"}}, {"data": 2, "fsdp": -1, "context": 2}),
+    ({"tpu": {"topology": "2x2x1"}}, {"data": 1 << 20, "fsdp": 1 << 20, "context": 1 << 20, "tensor": 1 << 20}),
+    ({"tpu": {"topology": "2x2x1"}}, {"fsdp": 0}),
+    ({"tpu": {"topology": "4x4x5"}}, {"data": 7}),
+    ({"gpu": {"type": "h200", "perNode": 8, "nodes": 4}}, {"data": 4, "fsdp": 8}),
+    ({"gpu": {"type": "h200", "perNode": 8, "nodes": 4}}, {"data": 4, "fsdp": 4}),
+    ({"gpu": {"type": "other", "perNode": 3, "nodes": 5}}, {"data": 5, "fsdp": -1}),
+    ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"fsdp": -1, "context": 3}),
+    ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"fsdp": -1, "context": 4}),
+]
+
+
+def _job(resources: dict[str, Any], parallelism: dict[str, int] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"variant": "wan2.2-t2v-a14b"},
+        "data": {"uri": "gs://b/d"},
+        "training": {"steps": 10, "globalBatch": 1 << 20},
+        "resources": resources,
+    }
+    if parallelism is not None:
+        spec["parallelism"] = parallelism
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": "edge"}, "spec": spec}
+
+
+def _admitted(cluster: Any, namespace: str, doc: dict[str, Any]) -> bool:
+    from kubernetes import client
+
+    try:
+        _create(cluster, namespace, doc, dry_run=True)
+    except client.ApiException as exc:
+        assert exc.status in (400, 422), exc.body
+        return False
+    return True
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_the_crd_decides_tpu_topologies_as_validate_does(cluster: Any, crd: Any, namespace: str, topology: str) -> None:
+    doc = _job({"tpu": {"topology": topology}})
+    assert _admitted(cluster, namespace, doc) == validate_trainingjob(doc).ok, validate_trainingjob(doc).errors
+
+
+@pytest.mark.parametrize(("resources", "parallelism"), PARALLELISM, ids=lambda v: json.dumps(v, separators=(",", ":")))
+def test_the_crd_decides_the_parallelism_product_as_validate_does(
+    cluster: Any, crd: Any, namespace: str, resources: dict[str, Any], parallelism: dict[str, int]
+) -> None:
+    doc = _job(resources, parallelism)
+    assert _admitted(cluster, namespace, doc) == validate_trainingjob(doc).ok, validate_trainingjob(doc).errors

@@ -86,6 +86,28 @@ def tpu7x_slice(topology: str) -> TPUSlice:
     raise ValueError(f"{topology!r} is not a tpu7x topology; {valid_tpu7x_topologies()}")
 
 
+# The longest topology string a valid shape can have ("4x4x576": a dimension is at most 4 x 144); the CRD bounds
+# the field so that its CEL rules parse at most three 3-digit numbers.
+TPU7X_TOPOLOGY_MAX_LENGTH = 11
+
+
+def tpu7x_chips_cel(topology: str) -> str:
+    """CEL: the chip count of the ``AxBxC`` string at ``topology`` (a CEL expression)."""
+    a, b, c = (f"int({topology}.split('x')[{i}])" for i in range(3))
+    return f"{a} * {b} * {c}"
+
+
+def tpu7x_topology_cel(topology: str) -> str:
+    """CEL: whether the string at ``topology`` is a shape :func:`tpu7x_slice` accepts (the same table and rule)."""
+    a, b, c = (f"int({topology}.split('x')[{i}])" for i in range(3))
+    small = "[" + ", ".join(f"'{t}'" for t in _SMALL_TPU7X_TOPOLOGIES) + "]"
+    cubes = f"({a} / 4) * ({b} / 4) * ({c} / 4)"
+    return (
+        f"({topology} in {small} || ({a} % 4 == 0 && {b} % 4 == 0 && {c} % 4 == 0 && {a} <= {b} && {b} <= {c} "
+        f"&& {cubes} <= {_MAX_CUBES}))"
+    )
+
+
 def valid_tpu7x_topologies() -> str:
     return (
         f"valid: {', '.join(_SMALL_TPU7X_TOPOLOGIES)}, or AxBxC with A, B, C multiples of 4, A <= B <= C and at most "

@@ -13,7 +13,14 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from wanloom_operator.api.topology import GPUS_PER_NODE
+from wanloom_operator.api.topology import (
+    GPUS_PER_NODE,
+    TENSORCORES_PER_TPU7X_CHIP,
+    TPU7X_TOPOLOGY_MAX_LENGTH,
+    tpu7x_chips_cel,
+    tpu7x_topology_cel,
+    valid_tpu7x_topologies,
+)
 
 GROUP = "wanloom.dev"
 VERSION = "v1alpha1"
@@ -78,6 +85,38 @@ StorageURI = Annotated[
         }
     ),
 ]
+
+
+GPU_NEEDS_TORCH = "gpu runs the torch backend only (the JAX trainer image is built for TPU)"
+PARALLELISM_PRODUCT = (
+    "the parallelism degrees (data x fsdp x context x tensor) must multiply to the job's devices, or with one -1 "
+    "divide them (devices: 2 per tpu7x chip x slices; gpu perNode x nodes; cpu nodes x devicesPerNode)"
+)
+MAX_DEGREE = 1 << 20  # bounds the CEL product below int64
+
+
+def _parallelism_product_cel() -> str:
+    """CEL on the spec: the degrees multiply to the device count (validation.resolve_parallelism's rule).
+
+    Products are built one factor at a time, each bounded by the device count before the next multiplies, so no
+    intermediate overflows; a topology the TPU rule refuses, or a resources block without exactly one
+    accelerator, is left to those rules.
+    """
+    tpu, gpu, cpu = "self.resources.tpu", "self.resources.gpu", "self.resources.cpu"
+    devices = (
+        f"(has({tpu}) ? {tpu7x_chips_cel(tpu + '.topology')} * {TENSORCORES_PER_TPU7X_CHIP} * {tpu}.slices : "
+        f"has({gpu}) ? {gpu}.perNode * {gpu}.nodes : {cpu}.nodes * {cpu}.devicesPerNode)"
+    )
+    degrees = [f"self.parallelism.{d}" for d in ("data", "fsdp", "context", "tensor")]
+    factors = [f"({d} == -1 ? 1 : {d})" for d in degrees]
+    partial = [" * ".join(factors[: i + 1]) for i in range(4)]
+    auto = "[" + ", ".join(degrees) + "]"
+    bounded = " && ".join(f"{p} <= {devices}" for p in partial)
+    one_accelerator = f"[has({tpu}), has({gpu}), has({cpu})].filter(x, x).size() == 1"
+    return (
+        f"!({one_accelerator}) || (has({tpu}) && !{tpu7x_topology_cel(tpu + '.topology')}) || "
+        f"({bounded} && ({auto}.exists(d, d == -1) ? {devices} % ({partial[-1]}) == 0 : {partial[-1]} == {devices}))"
+    )
 
 
 def _cel_list(values: Any) -> str:
@@ -214,11 +253,16 @@ class ParallelismSpec(_Model):
             "[self.data, self.fsdp, self.context, self.tensor].filter(d, d == -1).size() <= 1",
             "at most one parallelism degree may be -1 (fill the remaining devices)",
         ),
+        ("[self.data, self.fsdp, self.context, self.tensor].all(d, d != 0)", "degrees must be >= 1 or -1"),
     )
-    data: int = Field(1, ge=-1, description="Pure data-parallel (replicated) degree; -1 fills the remaining devices.")
-    fsdp: int = Field(-1, ge=-1, description="Fully-sharded data-parallel degree; -1 fills the remaining devices.")
-    context: int = Field(1, ge=-1, description="Context (sequence) parallel degree.")
-    tensor: int = Field(1, ge=-1, description="Tensor parallel degree.")
+    data: int = Field(
+        1, ge=-1, le=MAX_DEGREE, description="Pure data-parallel (replicated) degree; -1 fills the remaining devices."
+    )
+    fsdp: int = Field(
+        -1, ge=-1, le=MAX_DEGREE, description="Fully-sharded data-parallel degree; -1 fills the remaining devices."
+    )
+    context: int = Field(1, ge=-1, le=MAX_DEGREE, description="Context (sequence) parallel degree.")
+    tensor: int = Field(1, ge=-1, le=MAX_DEGREE, description="Tensor parallel degree.")
     remat: Literal["none", "full", "save-matmuls", "save-attention"] = Field(
         "save-attention",
         description="Activation rematerialisation: none, full, save-matmuls (save matmul outputs without a batch "
@@ -267,8 +311,15 @@ class TrainingSpec(_Model):
 
 
 class TPUSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        (tpu7x_topology_cel("self.topology"), f"not a tpu7x topology; {valid_tpu7x_topologies()}", ".topology"),
+    )
     type: Literal["tpu7x"] = Field("tpu7x", description="TPU generation (Ironwood).")
-    topology: str = Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*x[1-9][0-9]*$", description="Slice topology AxBxC.")
+    topology: str = Field(
+        pattern=r"^[1-9][0-9]*x[1-9][0-9]*x[1-9][0-9]*$",
+        max_length=TPU7X_TOPOLOGY_MAX_LENGTH,
+        description="Slice topology AxBxC.",
+    )
     slices: int = Field(1, ge=1, le=1024, description="Number of slices (multi-slice over DCN).")
 
 
@@ -316,6 +367,7 @@ class ResourcesSpec(_Model):
             "exactly one of tpu, gpu or cpu must be set",
         ),
         ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax", ".backend"),
+        ("!has(self.gpu) || !has(self.backend) || self.backend == 'torch'", GPU_NEEDS_TORCH, ".backend"),
         (
             "!has(self.cpu) || !has(self.backend) || self.backend != 'torch' || self.cpu.devicesPerNode == 1",
             "the torch backend on cpu runs one process per device: devicesPerNode must be 1 (use nodes)",
@@ -352,6 +404,7 @@ class ResourcesSpec(_Model):
 
 class TrainingJobSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        (_parallelism_product_cel(), PARALLELISM_PRODUCT, ".parallelism"),
         (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
             "|| !has(self.routing) || !has(self.routing.boundaryRatio)",

@@ -20,6 +20,8 @@ from wanloom_operator.api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_operator.api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
+    GPU_NEEDS_TORCH,
+    PARALLELISM_PRODUCT,
     TrainingJob,
     TrainingJobSpec,
 )
@@ -157,6 +159,8 @@ def _check_resources(spec: TrainingJobSpec) -> Iterator[FieldError]:
             yield FieldError("spec.resources.tpu.topology", str(exc))
         if res.backend == "torch":
             yield FieldError("spec.resources.backend", "tpu runs the jax backend only (got 'torch')")
+    if res.gpu is not None and res.backend == "jax":
+        yield FieldError("spec.resources.backend", f"{GPU_NEEDS_TORCH} (got 'jax')")
     if res.cpu is not None and res.resolved_backend == "torch" and res.cpu.devices_per_node > 1:
         yield FieldError(
             "spec.resources.cpu.devicesPerNode",
@@ -216,7 +220,7 @@ def _check_parallelism(spec: TrainingJobSpec) -> Iterator[FieldError]:
     try:
         resolved = resolve_parallelism(spec.parallelism.degrees(), devices)
     except ValueError as exc:
-        yield FieldError("spec.parallelism", str(exc))
+        yield FieldError("spec.parallelism", f"{PARALLELISM_PRODUCT}: {exc}")
         return
     ranks = resolved["data"] * resolved["fsdp"]
     if spec.training.global_batch < ranks:

@@ -51,9 +51,9 @@ HELD_OUT: list[tuple[str, dict[str, Any], dict[str, Any], tuple[int, int, str | 
     ),
     ("gpu-b200-16-nodes", {"gpu": {"type": "b200", "nodes": 16}}, {"suspend": True}, (1, 16, "nvidia.com/gpu", "8")),
     (
-        "gpu-other-jax",
-        {"gpu": {"type": "other", "perNode": 4, "nodes": 3, "acceleratorLabel": "a100"}, "backend": "jax"},
-        {"kernels": {"attention": "xla"}},
+        "gpu-other",
+        {"gpu": {"type": "other", "perNode": 4, "nodes": 3, "acceleratorLabel": "a100"}},
+        {"kernels": {"attention": "sdpa"}},
         (1, 3, "nvidia.com/gpu", "4"),
     ),
     ("cpu-torch-2-nodes", {"cpu": {"nodes": 2}, "backend": "torch"}, {}, (1, 2, None, None)),
