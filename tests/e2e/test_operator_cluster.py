@@ -154,6 +154,14 @@ def test_suspend_resume_and_cascading_deletion(k8s: Any, namespace: str, operato
         lambda: core.list_namespaced_pod(namespace, label_selector="jobset.sigs.k8s.io/jobset-name=e2e-suspend").items,
         "pods after resuming",
     )
+    # Every condition says which spec it reflects: the resume is generation 2.
+    resumed = _wait(
+        lambda: (s := _get(k8s, namespace, "e2e-suspend").get("status") or {}).get("phase") != "Suspended" and s,
+        "the resumed status",
+    )
+    suspended = next(c for c in resumed["conditions"] if c["type"] == "Suspended")
+    assert suspended["status"] == "False" and suspended["observedGeneration"] == 2, resumed["conditions"]
+    assert all(c.get("observedGeneration") in (1, 2) for c in resumed["conditions"]), resumed["conditions"]
     api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e-suspend")
     _wait(lambda: _jobset(k8s, namespace, "e2e-suspend") is None, "the JobSet garbage-collected")
     _wait(

@@ -193,6 +193,8 @@ def test_default_operator_is_a_single_cluster_wide_replica(render: Render) -> No
     assert container["args"] == ["--all-namespaces", "--metrics-port=8000", "--liveness-port=8080"]
     assert container["image"] == "ghcr.io/wanloom/wanloom-operator:0.1.0"
     assert not by_kind(objects, "ClusterKopfPeering") and not by_kind(objects, "KopfPeering")
+    assert not by_kind(objects, "PodDisruptionBudget")  # maxUnavailable 1 of 1 would protect nothing
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
 
 
 def test_replicas_coordinate_through_a_cluster_peering(render: Render) -> None:
@@ -200,6 +202,9 @@ def test_replicas_coordinate_through_a_cluster_peering(render: Render) -> None:
     deployment = one(objects, "Deployment")
     assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert "--peering=wanloom" in _container(objects)["args"]
+    budget = one(objects, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     peering = one(objects, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "wanloom"
     assert "post-install" in peering["metadata"]["annotations"]["helm.sh/hook"]  # after its CRD exists

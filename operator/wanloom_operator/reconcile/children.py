@@ -55,6 +55,7 @@ class Outcome:
 
     conditions: list[dict[str, Any]]
     now: str
+    generation: int | None = None  # metadata.generation of the spec read: each condition set records it
     fields: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     retry_after: float | None = None
@@ -65,12 +66,15 @@ class Outcome:
     _touched: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, status: Mapping[str, Any], now: str) -> Outcome:
-        return cls(conditions=[dict(c) for c in status.get("conditions") or []], now=now, previous=dict(status))
+    def start(cls, status: Mapping[str, Any], now: str, generation: int | None = None) -> Outcome:
+        conditions = [dict(c) for c in status.get("conditions") or []]
+        return cls(conditions=conditions, now=now, generation=generation, previous=dict(status))
 
     def set(self, type_: str, status: cond.Status, reason: str, message: str = "") -> None:
         before = next((c for c in self.conditions if c.get("type") == type_), None)
-        self.conditions = cond.set_condition(self.conditions, type_, status, reason, message, now=self.now)
+        self.conditions = cond.set_condition(
+            self.conditions, type_, status, reason, message, now=self.now, generation=self.generation
+        )
         after = next(c for c in self.conditions if c.get("type") == type_)
         if after != before:
             self._touched[type_] = after
@@ -101,7 +105,7 @@ class Outcome:
 async def reconcile_children(body: Mapping[str, Any], runtime: Runtime, now: str | None = None) -> Outcome:
     """Bring the children of one TrainingJob (``body``: the object as the API returns it) in line with its spec."""
     status = body.get("status") or {}
-    out = Outcome.start(status, now or cond.now_rfc3339())
+    out = Outcome.start(status, now or cond.now_rfc3339(), (body.get("metadata") or {}).get("generation"))
     result = validate_trainingjob(manifest(body))
     if result.job is None:
         return _invalid(out, result.errors, status)

@@ -72,7 +72,8 @@ async def _write_status(
         status = current.get("status") or {}
         patch: dict[str, Any] = {}
         if jobset is not None:
-            derived = derive_status(dict(jobset), _intent(current), status, now)
+            generation = (current.get("metadata") or {}).get("generation")
+            derived = derive_status(dict(jobset), _intent(current), status, now, generation)
             patch = derived if changed(derived, status) else {}
         if progress_patch:
             patch["progress"] = progress_patch

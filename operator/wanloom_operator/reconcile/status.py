@@ -86,15 +86,24 @@ def derive_phase(jobset: dict[str, Any], intent: Intent, now: str | None = None)
     return PhaseInfo("Pending", "WaitingForPods", "no Job has started yet")
 
 
-def derive_status(jobset: dict[str, Any], intent: Intent, previous: dict[str, Any], now: str) -> dict[str, Any]:
-    """The status patch for the TrainingJob owning ``jobset``; ``previous`` is its current status."""
+def derive_status(
+    jobset: dict[str, Any], intent: Intent, previous: dict[str, Any], now: str, generation: int | None = None
+) -> dict[str, Any]:
+    """The status patch for the TrainingJob owning ``jobset``; ``previous`` is its current status, ``generation``
+    the TrainingJob's metadata.generation (recorded on each condition)."""
     info = derive_phase(jobset, intent, now)
     conditions = list(previous.get("conditions") or [])
     for phase, type_ in _PHASE_CONDITIONS.items():
         active = info.phase == phase
         reason = info.reason if active else f"Not{phase}"
         conditions = cond.set_condition(
-            conditions, type_, "True" if active else "False", reason, info.message if active else "", now=now
+            conditions,
+            type_,
+            "True" if active else "False",
+            reason,
+            info.message if active else "",
+            now=now,
+            generation=generation,
         )
     js_status = jobset.get("status") or {}
     patch: dict[str, Any] = {

@@ -56,6 +56,14 @@ def test_derive_status_fields_fit_the_api() -> None:
     TrainingJobStatus.model_validate(patch)  # every field and condition is one the CRD schema keeps
 
 
+def test_conditions_record_the_generation_they_reflect() -> None:
+    first = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T1", generation=1)
+    assert {c["observedGeneration"] for c in first["conditions"]} == {1}
+    later = derive_status(jobset(active=2, ready=2), Intent(), {**first}, now="T2", generation=2)
+    assert {c["observedGeneration"] for c in later["conditions"]} == {2} and changed(later, first)
+    assert {c["lastTransitionTime"] for c in later["conditions"]} == {"T1"}  # no status changed
+
+
 def test_transition_times_move_only_on_change() -> None:
     first = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T1")
     again = derive_status(jobset(active=2, ready=2), Intent(), {**first}, now="T2")
