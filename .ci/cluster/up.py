@@ -154,11 +154,12 @@ AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
-    # Service accounts (the operator on the chart's RBAC) in full, and the admin's writes (the operator run as
-    # admin: how many JobSets it really created).
+    # Service accounts (the operator on the chart's RBAC) in full, and the admin's writes and pod lists (the
+    # operator run as admin: how many JobSets it really created, how often it looks for rank 0).
     "rules": [
         {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
         {"level": "Metadata", "users": ["admin"], "verbs": ["create", "update", "patch", "delete"]},
+        {"level": "Metadata", "users": ["admin"], "verbs": ["list"], "resources": [{"resources": ["pods"]}]},
         {"level": "None"},
     ],
 }

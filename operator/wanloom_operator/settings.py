@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 def _version() -> str:
@@ -57,7 +57,14 @@ class OperatorSettings(BaseModel):
         "cloud.google.com/gke-accelerator", description="Node label that selects the GPU type (GKE's by default)."
     )
     gpu_nccl_profile: Literal["default", "gib"] = Field(
-        "default", description="gib adds GKE's gIB NCCL plugin (A3 Ultra / A4 RDMA nodes)."
+        "default",
+        description="gib: GPUDirect RDMA on GKE A3 Ultra (h200) / A4 (b200) nodes: the pods attach "
+        "gpu_network_interfaces, mount the host's gIB NCCL plugin and source its NCCL settings.",
+    )
+    gpu_network_interfaces: tuple[str, ...] = Field(
+        (),
+        description="GKE Network objects attached as eth1, eth2, ... with the gib profile (the node pool's gVNIC "
+        "network, then its eight RDMA networks), in that order.",
     )
     dns_policy: str | None = Field(
         None, description="Pod dnsPolicy; defaults to ClusterFirstWithHostNet on hostNetwork."
@@ -73,6 +80,16 @@ class OperatorSettings(BaseModel):
         description="Trainer pods' terminationGracePeriodSeconds: SIGTERM checkpoints after the current step, "
         "which must commit within it (a spot VM's preemption notice is 30 s whatever this says).",
     )
+
+    @model_validator(mode="after")
+    def _check_gib(self) -> OperatorSettings:
+        if self.gpu_nccl_profile == "gib" and not self.gpu_network_interfaces:
+            raise ValueError(
+                "WANLOOM_GPU_NCCL_PROFILE=gib needs WANLOOM_GPU_NETWORK_INTERFACES (the chart's "
+                "gpuNetworking.interfaces): the GKE Networks of the node pool's gVNIC and RDMA NICs, e.g. "
+                "gvnic-1,rdma-0,...,rdma-7; without them NCCL has no RDMA NIC to use"
+            )
+        return self
 
     @field_validator("rank0_address")
     @classmethod
@@ -122,6 +139,7 @@ ENV: dict[str, str] = {
     "rank0_address": "WANLOOM_RANK0_ADDRESS",
     "gpu_accelerator_label_key": "WANLOOM_GPU_ACCELERATOR_LABEL_KEY",
     "gpu_nccl_profile": "WANLOOM_GPU_NCCL_PROFILE",
+    "gpu_network_interfaces": "WANLOOM_GPU_NETWORK_INTERFACES",
     "dns_policy": "WANLOOM_DNS_POLICY",
     "megascale_port": "WANLOOM_MEGASCALE_PORT",
     "cpu_pod_requests": "WANLOOM_CPU_POD_REQUESTS",
@@ -131,8 +149,8 @@ ENV: dict[str, str] = {
 
 def _parse(field: str, raw: str) -> Any:
     """Environment strings -> field values: comma lists for tuples, key=value lists for dicts."""
-    if field == "namespaces":
-        return tuple(ns.strip() for ns in raw.split(",") if ns.strip())
+    if field in ("namespaces", "gpu_network_interfaces"):
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     if field == "cpu_pod_requests":
         pairs = [item.split("=", 1) for item in raw.split(",") if item.strip()]
         if any(len(p) != 2 for p in pairs):

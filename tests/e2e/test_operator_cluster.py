@@ -58,7 +58,7 @@ def namespace(k8s: Any) -> Iterator[str]:
     core.delete_namespace(name)
 
 
-def _start_operator(cluster: Any, namespace: str, progress_interval: int = 5) -> subprocess.Popen[str]:
+def _start_operator(cluster: Any, namespace: str, progress_interval: float = 5) -> subprocess.Popen[str]:
     """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster."""
     env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": str(progress_interval), "WANLOOM_LOG_FORMAT": "plain",
            "KUBECONFIG": cluster.kubeconfig}  # fmt: skip
@@ -278,7 +278,7 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
 class _Operator:
     """An operator process of one namespace that a test may SIGKILL and start again."""
 
-    def __init__(self, cluster: Any, namespace: str, progress_interval: int = 5) -> None:
+    def __init__(self, cluster: Any, namespace: str, progress_interval: float = 5) -> None:
         self.cluster, self.namespace, self.interval = cluster, namespace, progress_interval
         self.process = _start_operator(cluster, namespace, progress_interval)
 
@@ -294,7 +294,7 @@ class _Operator:
 
 
 @contextlib.contextmanager
-def _own_operator(k8s: Any, cluster: Any, prefix: str, progress_interval: int = 5) -> Iterator[tuple[str, _Operator]]:
+def _own_operator(k8s: Any, cluster: Any, prefix: str, progress_interval: float = 5) -> Iterator[tuple[str, _Operator]]:
     """A fresh namespace with its own operator; on the way out its TrainingJobs are deleted (while an operator
     runs, to lift the finalizers), then the operator stopped and the namespace deleted."""
     import uuid
@@ -463,6 +463,33 @@ def test_active_deadline_bounds_the_whole_run_across_restarts(k8s: Any, cluster:
         _wait(lambda: (_jobset(k8s, namespace, "e2e-deadline") or {}).get("spec", {}).get("suspend"), "suspended")
         _wait(lambda: not [p for p in _pods(k8s, namespace, "e2e-deadline") if p.status.phase == "Running"],
               "no pod left running")  # fmt: skip
+
+
+def test_rank_0_is_looked_up_once_per_attempt_not_once_per_pass(k8s: Any, cluster: Any) -> None:
+    """The tracker reads rank 0's metrics every interval; it lists pods to find rank 0 only when the JobSet starts
+    an attempt (the pods, and so the IP, change only then). At 500 jobs and a 30 s interval a list per pass would
+    be 17 pod lists a second; this bounds it by the restarts. Counted in the API server's audit log."""
+    with _own_operator(k8s, cluster, "lists", progress_interval=0.5) as (namespace, _):
+        doc = _trainingjob("e2e-lists", namespace, maxRestarts=2)
+        doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": "1"}]  # each attempt runs 4 s
+        k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        status = _wait(
+            lambda: (s := _get(k8s, namespace, "e2e-lists").get("status") or {}).get("phase") == "Failed" and s,
+            "phase Failed",
+            timeout=120,
+        )
+        attempts = status["restarts"] + 1
+        time.sleep(2)  # the audit backend writes in batches
+        lists = 0
+        for line in Path(cluster.env["audit_log"]).read_text().splitlines():
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if (event["verb"], ref.get("resource"), ref.get("namespace")) != ("list", "pods", namespace):
+                continue
+            if event.get("stage") == "ResponseComplete" and "job-index" in event.get("requestURI", ""):
+                lists += 1
+        # About 8 passes per attempt run while Running; a list per pass would be ~8x attempts.
+        assert 1 <= lists <= 2 * attempts, (lists, attempts)
 
 
 def test_a_jobset_event_past_the_deadline_suspends_before_failed_is_written(k8s: Any) -> None:

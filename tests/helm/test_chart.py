@@ -62,6 +62,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "metrics": {"podMonitor": {"enabled": True}},
     },
     "no-metrics-service": {"metrics": {"service": {"enabled": False}}},
+    "gpu-rdma": {"gpuNetworking": {"ncclProfile": "gib", "interfaces": ["gvnic-1", *(f"rdma-{i}" for i in range(8))]}},
     "custom-image": {
         "image": {"repository": "registry.example/wanloom/operator", "tag": "0.1.0-rc1", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
@@ -358,7 +359,7 @@ def test_operator_environment_matches_operator_settings(render: Render) -> None:
     assert env <= set(settings.ENV.values()), env - set(settings.ENV.values())
 
 
-@pytest.mark.parametrize("name", ["defaults", "namespaced-ha", "cluster-ha", "custom-image"])
+@pytest.mark.parametrize("name", ["defaults", "namespaced-ha", "cluster-ha", "custom-image", "gpu-rdma"])
 def test_operator_command_line_is_what_wanloom_operator_accepts(
     render: Render, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
@@ -384,3 +385,8 @@ def test_operator_command_line_is_what_wanloom_operator_accepts(
     assert settings.trainer_image_jax == "ghcr.io/wanloom/wanloom-trainer-tpu:0.1.0"
     assert settings.log_format == "json"
     assert verbose == ("--verbose" in container["args"])
+    networking = VALUE_SETS[name].get("gpuNetworking", {"ncclProfile": "default", "interfaces": []})
+    assert (settings.gpu_nccl_profile, list(settings.gpu_network_interfaces)) == (
+        networking["ncclProfile"],
+        networking["interfaces"],
+    )

@@ -28,6 +28,7 @@ BAD_VALUES = {
         ["/operator/resources/limits/memory"],
     ),
     "extra-arg-not-a-flag": ({"operator": {"extraArgs": ["verbose"]}}, ["/operator/extraArgs/0"]),
+    "rdma-without-networks": ({"gpuNetworking": {"ncclProfile": "gib"}}, ["/gpuNetworking", "interfaces"]),
     "dashboard-label-not-string": ({"dashboard": {"labels": {"grafana_dashboard": 1}}}, ["/dashboard/labels"]),
 }
 

@@ -35,3 +35,11 @@ def test_defaults_and_parsing() -> None:
 def test_bad_values_name_the_variable(env: dict[str, str], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         OperatorSettings.from_env(env)
+
+
+def test_the_http_pool_has_a_connection_per_api_thread() -> None:
+    from wanloom_operator.reconcile.cluster import API_THREADS, Cluster
+
+    cluster = Cluster.connect(OperatorSettings.from_env({}, api_server="http://127.0.0.1:1"))
+    pool = cluster._custom.api_client.rest_client.pool_manager
+    assert pool.connection_pool_kw["maxsize"] == API_THREADS

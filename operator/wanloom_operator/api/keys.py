@@ -25,6 +25,9 @@ JOBSET_COORDINATOR = "jobset.sigs.k8s.io/coordinator"
 JOBSET_EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+# GKE multi-networking: which extra networks a pod attaches (GPUDirect RDMA on A3 Ultra / A4).
+GKE_DEFAULT_INTERFACE = "networking.gke.io/default-interface"
+GKE_INTERFACES = "networking.gke.io/interfaces"
 
 # The trainer's environment.
 ENV_CONFIG = "WANLOOM_CONFIG"  # path of the mounted TrainingJob YAML

@@ -22,6 +22,9 @@ JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jo
 MERGE_PATCH = "application/merge-patch+json"
 TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 _TIMEOUT = (5.0, 30.0)  # connect, read
+# Client calls run in a pool of this many threads (reconcile/handlers.py); the HTTP pool has one connection per
+# thread, or threads beyond it open and drop a connection per call (urllib3's "pool is full" warning).
+API_THREADS = 32
 
 
 class ApiError(Exception):
@@ -54,12 +57,13 @@ class Cluster:
         """An explicit API server URL (no credentials), else in-cluster credentials, else the kubeconfig."""
         if settings.api_server:
             config = kubernetes.client.Configuration(host=settings.api_server.rstrip("/"))
-            return cls(kubernetes.client.ApiClient(config))
-        config = kubernetes.client.Configuration()
-        try:
-            kubernetes.config.load_incluster_config(client_configuration=config)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(client_configuration=config)
+        else:
+            config = kubernetes.client.Configuration()
+            try:
+                kubernetes.config.load_incluster_config(client_configuration=config)
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config(client_configuration=config)
+        config.connection_pool_maxsize = API_THREADS
         return cls(kubernetes.client.ApiClient(config))
 
     # JobSets

@@ -21,7 +21,7 @@ import kopf
 from wanloom_operator.api import keys
 from wanloom_operator.api import trainingjob as tj
 from wanloom_operator.reconcile import children, observe
-from wanloom_operator.reconcile.cluster import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, ApiError
+from wanloom_operator.reconcile.cluster import API_THREADS, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, ApiError
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.settings import OperatorSettings
 
@@ -32,7 +32,6 @@ UNTRACKED_PHASES = frozenset({"Succeeded", "Failed", "Invalid"})
 ANNOTATION_PREFIX = "wanloom.dev"
 # kopf puts it on TrainingJobs whose tracker runs (not finished, not invalid), to stop the tracker before deletion.
 FINALIZER = "wanloom.dev/operator"
-API_THREADS = 32
 
 
 @kopf.on.startup()
@@ -119,12 +118,12 @@ async def track(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, l
     interval: jobs created together must not all hit the API server and their trainers in the same second.
     """
     runtime: Runtime = memo.runtime
-    scrape, interval = None, runtime.settings.progress_interval_seconds
+    tracked, interval = observe.Tracked(), runtime.settings.progress_interval_seconds
     await stopped.wait(random.uniform(0.0, interval))
     while not stopped:
         try:
             with runtime.metrics.handler("track"):
-                scrape = await observe.refresh(body, runtime, scrape, logger)
+                await observe.refresh(body, runtime, tracked, logger)
         except ApiError as exc:
             logger.warning(f"status refresh failed, retrying next interval: {exc}")
         await stopped.wait(interval)  # returns at once on stop: no cancellation, no escalation

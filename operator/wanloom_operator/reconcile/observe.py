@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -100,45 +101,57 @@ async def _stop_past_deadline(
     return {**jobset, "spec": {**spec, "suspend": True}}
 
 
-async def refresh(
-    body: Mapping[str, Any], runtime: Runtime, previous: progress.Scrape | None, logger: logging.Logger
-) -> progress.Scrape | None:
-    """One periodic pass for a TrainingJob: re-derive its status from the JobSet, and read progress if Running.
+@dataclass
+class Tracked:
+    """What the tracker of one TrainingJob keeps between passes."""
 
-    Returns the metrics read this time (the next pass measures step time against it).
-    """
+    scrape: progress.Scrape | None = None  # the last metrics read (the next pass measures step time against it)
+    # Rank 0's pod IP and the JobSet attempt (uid/restarts) it belongs to: pods are listed once per attempt, not
+    # once per pass (the IP changes only when the pods are replaced, and a replacement is a JobSet restart).
+    rank0: tuple[str, str] | None = None
+
+
+async def refresh(body: Mapping[str, Any], runtime: Runtime, tracked: Tracked, logger: logging.Logger) -> None:
+    """One periodic pass for a TrainingJob: re-derive its status from the JobSet, and read progress if Running."""
     names = _names(body, runtime)
     if names is None:
-        return previous
+        return
     namespace, name, now = body["metadata"]["namespace"], body["metadata"]["name"], cond.now_rfc3339()
     jobset = await runtime.cluster.get_jobset(namespace, names.jobset)
     if jobset is not None and not owned_by(jobset, body):
         jobset = None
-    scrape, progress_patch = previous, None
-    if _phase(jobset, body) == "Running":
-        scrape = await _read_progress(body, names, runtime, logger)
+    progress_patch = None
+    if jobset is not None and _phase(jobset, body) == "Running":
+        scrape = await _read_progress(body, jobset, names, runtime, tracked, logger)
         if scrape is not None:
-            progress_patch = progress.progress_patch(scrape, previous, now)
-
+            progress_patch = progress.progress_patch(scrape, tracked.scrape, now)
+            tracked.scrape = scrape
     await _write_status(namespace, name, jobset, runtime, now, progress_patch)
-    return scrape
 
 
-def _phase(jobset: Mapping[str, Any] | None, body: Mapping[str, Any]) -> str | None:
-    if jobset is None:
-        return (body.get("status") or {}).get("phase")
+def _phase(jobset: Mapping[str, Any], body: Mapping[str, Any]) -> str:
     return derive_phase(dict(jobset), _intent(body), cond.now_rfc3339()).phase
 
 
 async def _read_progress(
-    body: Mapping[str, Any], names: Names, runtime: Runtime, logger: logging.Logger
+    body: Mapping[str, Any],
+    jobset: Mapping[str, Any],
+    names: Names,
+    runtime: Runtime,
+    tracked: Tracked,
+    logger: logging.Logger,
 ) -> progress.Scrape | None:
     settings, namespace = runtime.settings, body["metadata"]["namespace"]
-    pods: list[dict[str, Any]] = []
     if settings.rank0_address == "pod-ip":
-        selector = f"{keys.JOBSET_NAME}={names.jobset},{keys.JOBSET_JOB_INDEX}=0"
-        pods = await runtime.cluster.list_pods(namespace, selector)
-    host = progress.rank0_host(settings.rank0_address, pods, names.jobset, names.pod_fqdn(), namespace)
+        attempt = f"{jobset['metadata'].get('uid')}/{(jobset.get('status') or {}).get('restarts') or 0}"
+        if tracked.rank0 is None or tracked.rank0[0] != attempt:
+            selector = f"{keys.JOBSET_NAME}={names.jobset},{keys.JOBSET_JOB_INDEX}=0"
+            pods = await runtime.cluster.list_pods(namespace, selector)
+            ip = progress.rank0_host("pod-ip", pods, names.jobset, names.pod_fqdn(), namespace)
+            tracked.rank0 = (attempt, ip) if ip else None
+        host = tracked.rank0[1] if tracked.rank0 else None
+    else:
+        host = progress.rank0_host(settings.rank0_address, [], names.jobset, names.pod_fqdn(), namespace)
     if host is None:
         logger.debug("rank 0 has no address yet")
         return None

@@ -18,6 +18,8 @@ from wanloom_operator.settings import OperatorSettings
 EnvVar = dict[str, Any]
 RUN_DIR = "/var/run/wanloom"
 GIB_DIR = "/usr/local/gib"
+GIB_NCCL_ENV_SCRIPT = f"{GIB_DIR}/scripts/set_nccl_env.sh"  # shipped with the plugin: NCCL_NET=gIB and its tuning
+GIB_GPU_TYPES = ("h200", "b200")  # A3 Ultra and A4: RDMA NICs; A3 High (h100) is GPUDirect-TCPX, not set up here
 
 
 def contract_env(

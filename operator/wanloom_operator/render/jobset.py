@@ -6,12 +6,13 @@ preview is exactly what gets created. The chain below reads top to bottom; each 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from wanloom_operator.api import keys
 from wanloom_operator.api.trainingjob import API_VERSION, KIND, TrainingJob
-from wanloom_operator.api.validation import InvalidTrainingJob
+from wanloom_operator.api.validation import FieldError, InvalidTrainingJob
 from wanloom_operator.render import env, overrides, policy
 from wanloom_operator.render.configmap import configmap_data, spec_hash
 from wanloom_operator.render.names import Names, job_names
@@ -106,7 +107,7 @@ def _jobset_skeleton(
     annotations = dict(meta["annotations"])
     if shape.exclusive_topology:
         annotations[keys.JOBSET_EXCLUSIVE_TOPOLOGY] = shape.exclusive_topology
-    command, args = trainer_command(shape)
+    command, args = trainer_command(shape, env.GIB_NCCL_ENV_SCRIPT if _gib(shape, settings) else None)
     return render_yaml(
         "jobset.yaml.j2",
         names=names,
@@ -140,11 +141,49 @@ def _fill_pod(
     errors = overrides.volume_errors(volumes, mounts, res)
     if errors:
         raise InvalidTrainingJob(tuple(errors), job.metadata.name)
+    if _gib(shape, settings):
+        gib_errors = tuple(_gib_errors(job, shape))
+        if gib_errors:
+            raise InvalidTrainingJob(gib_errors, job.metadata.name)
+        template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+        template["metadata"]["annotations"] = _network_annotations(settings.gpu_network_interfaces)
     rendered_env = env.contract_env(shape, names, job.metadata.name, job.spec.metrics_port, settings)
     container["env"] = overrides.merge_env(rendered_env, res)
     spec["volumes"], container["volumeMounts"] = overrides.merge_volumes(volumes, mounts, res)
     spec["nodeSelector"] = overrides.merge_node_selector(spec["nodeSelector"], res.node_selector)
     spec["tolerations"] = overrides.merge_tolerations(spec["tolerations"], res)
+
+
+def _gib(shape: PodShape, settings: OperatorSettings) -> bool:
+    return shape.accelerator == "gpu" and settings.gpu_nccl_profile == "gib"
+
+
+def _gib_errors(job: TrainingJob, shape: PodShape) -> list[FieldError]:
+    gpu = job.spec.resources.gpu
+    errors = []
+    if gpu is not None and gpu.type not in env.GIB_GPU_TYPES:
+        errors.append(FieldError(
+            "spec.resources.gpu.type",
+            f"the operator's gib NCCL profile (GPUDirect RDMA) is for {' and '.join(env.GIB_GPU_TYPES)} nodes "
+            f"(A3 Ultra, A4); {gpu.type} nodes do not have its RDMA NICs: run them under an operator with the "
+            f"default profile",
+        ))  # fmt: skip
+    if shape.host_network:
+        errors.append(FieldError(
+            "spec.resources.hostNetwork",
+            "GKE attaches the RDMA networks (gib profile) to pod networking only: hostNetwork must be false",
+        ))  # fmt: skip
+    return errors
+
+
+def _network_annotations(interfaces: tuple[str, ...]) -> dict[str, str]:
+    """GKE multi-networking: eth0 stays the pod network, the node pool's extra networks follow as eth1..ethN."""
+    attached = [{"interfaceName": "eth0", "network": "default"}]
+    attached += [{"interfaceName": f"eth{i}", "network": name} for i, name in enumerate(interfaces, start=1)]
+    return {
+        keys.GKE_DEFAULT_INTERFACE: "eth0",
+        keys.GKE_INTERFACES: json.dumps(attached, separators=(",", ":")),
+    }
 
 
 def _shm_limit(shape: PodShape) -> dict[str, str]:

@@ -137,11 +137,15 @@ def trainer_image(spec: TrainingJobSpec, settings: OperatorSettings) -> str:
     return settings.trainer_image_torch if spec.resources.resolved_backend == "torch" else settings.trainer_image_jax
 
 
-def trainer_command(shape: PodShape) -> tuple[list[str], list[str]]:
-    """(command, args): torchrun for torch (Kubernetes expands ``$(VAR)`` from the env, no shell needed)."""
+def trainer_command(shape: PodShape, nccl_env_script: str | None = None) -> tuple[list[str], list[str]]:
+    """(command, args): torchrun for torch (Kubernetes expands ``$(VAR)`` from the env, no shell needed).
+
+    ``nccl_env_script``: a shell script whose exported settings torchrun must start with (GKE's gIB plugin ships
+    its tuned NCCL settings that way, on the host); the shell gets the script as $0 and torchrun's args as $@.
+    """
     if shape.backend == "jax":
         return ["python", "-m", "wanloom_trainer"], []
-    return ["torchrun"], [
+    torchrun = [
         "--nnodes=$(NNODES)",
         "--nproc-per-node=$(NPROC_PER_NODE)",
         "--node-rank=$(NODE_RANK)",
@@ -151,6 +155,9 @@ def trainer_command(shape: PodShape) -> tuple[list[str], list[str]]:
         "-m",
         "wanloom_trainer",
     ]
+    if nccl_env_script:
+        return ["bash", "-c", 'source "$0" && exec torchrun "$@"'], [nccl_env_script, *torchrun]
+    return ["torchrun"], torchrun
 
 
 def dns_policy(shape: PodShape, settings: OperatorSettings) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import yaml
 
 from wanloom_operator.api import keys
 from wanloom_operator.api.trainingjob import TrainingJob
-from wanloom_operator.api.validation import load_trainingjob_file, parse_trainingjob
+from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file, parse_trainingjob
 from wanloom_operator.render.jobset import Rendered, pod_spec, render_trainingjob, trainer_container
 from wanloom_operator.settings import OperatorSettings
 
@@ -194,14 +195,38 @@ def test_gpu_torchrun(make_job: Callable[..., TrainingJob], settings: OperatorSe
 
 
 def test_gpu_label_key_and_gib_profile_come_from_settings(make_job: Callable[..., TrainingJob]) -> None:
-    settings = OperatorSettings.from_env(
-        {"WANLOOM_GPU_ACCELERATOR_LABEL_KEY": "nvidia.com/gpu.product", "WANLOOM_GPU_NCCL_PROFILE": "gib"}
-    )
+    networks = ["gvnic-1", *(f"rdma-{i}" for i in range(8))]
+    settings = OperatorSettings.from_env({
+        "WANLOOM_GPU_ACCELERATOR_LABEL_KEY": "nvidia.com/gpu.product",
+        "WANLOOM_GPU_NCCL_PROFILE": "gib",
+        "WANLOOM_GPU_NETWORK_INTERFACES": ",".join(networks),
+    })  # fmt: skip
     js = render_trainingjob(make_job({"gpu": {"type": "h200", "nodes": 2}}), settings).jobset
-    env = {v["name"]: v for v in trainer_container(js)["env"]}
+    container = trainer_container(js)
+    env = {v["name"]: v for v in container["env"]}
     assert pod_spec(js)["nodeSelector"] == {"nvidia.com/gpu.product": "nvidia-h200-141gb"}
     assert env["NCCL_NET"]["value"] == "gIB"
-    assert {"name": "gib", "mountPath": "/usr/local/gib"} in trainer_container(js)["volumeMounts"]
+    assert {"name": "gib", "mountPath": "/usr/local/gib"} in container["volumeMounts"]
+    # The plugin's own NCCL settings are sourced before torchrun starts; the torchrun args are unchanged.
+    assert container["command"] == ["bash", "-c", 'source "$0" && exec torchrun "$@"']
+    assert container["args"][0] == "/usr/local/gib/scripts/set_nccl_env.sh"
+    assert "--nnodes=$(NNODES)" in container["args"]
+    annotations = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["networking.gke.io/default-interface"] == "eth0"
+    attached = json.loads(annotations["networking.gke.io/interfaces"])
+    assert [a["network"] for a in attached] == ["default", *networks]
+    assert [a["interfaceName"] for a in attached] == [f"eth{i}" for i in range(10)]
+    assert pod_spec(js)["hostNetwork"] is False
+
+
+def test_gib_profile_refuses_what_it_cannot_network(make_job: Callable[..., TrainingJob]) -> None:
+    settings = OperatorSettings.from_env({"WANLOOM_GPU_NCCL_PROFILE": "gib", "WANLOOM_GPU_NETWORK_INTERFACES": "r0"})
+    with pytest.raises(InvalidTrainingJob) as info:
+        render_trainingjob(make_job({"gpu": {"type": "h100", "nodes": 2}, "hostNetwork": True}), settings)
+    assert [e.path for e in info.value.errors] == ["spec.resources.gpu.type", "spec.resources.hostNetwork"]
+    assert "h200 and b200" in info.value.errors[0].message
+    with pytest.raises(ValueError, match="WANLOOM_GPU_NETWORK_INTERFACES"):
+        OperatorSettings.from_env({"WANLOOM_GPU_NCCL_PROFILE": "gib"})
 
 
 def test_images_per_backend(make_job: Callable[..., TrainingJob]) -> None:
@@ -247,3 +272,22 @@ def test_validators_reject_broken_jobsets(
     mutate(jobset)
     with pytest.raises(Exception):  # noqa: B017 - jsonschema, kubernetes-validate or assertion errors
         check_jobset(jobset)
+
+
+def test_the_gib_command_sources_the_script_then_runs_torchrun(
+    tmp_path: Path, make_job: Callable[..., TrainingJob]
+) -> None:
+    """The rendered command run by a real shell: the script's exports reach torchrun, and its args arrive intact."""
+    import subprocess
+
+    settings = OperatorSettings.from_env({"WANLOOM_GPU_NCCL_PROFILE": "gib", "WANLOOM_GPU_NETWORK_INTERFACES": "r0"})
+    container = trainer_container(render_trainingjob(make_job({"gpu": {"type": "b200", "nodes": 2}}), settings).jobset)
+    script = tmp_path / "set_nccl_env.sh"
+    script.write_text("export NCCL_TUNED='from the plugin'\n")
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text('#!/bin/sh\nprintf "%s\\n" "$NCCL_TUNED" "$@"\n')
+    torchrun.chmod(0o755)
+    args = [str(script), *container["args"][1:]]
+    out = subprocess.run([*container["command"], *args], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.splitlines() == ["from the plugin", *container["args"][1:]]
