@@ -8,6 +8,7 @@ K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.8}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.12.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
+KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
 CACHE="${WANLOOM_CLUSTER_CACHE:-$HOME/.cache/wanloom/cluster}"
 export GOFLAGS="${GOFLAGS:--mod=mod}" CGO_ENABLED=0
 
@@ -103,8 +104,23 @@ build_kwok() {
   echo "KWOK_BIN=$(build_module "kwok-$KWOK_VERSION" sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok)"
 }
 
+build_kueue() {
+  local bin
+  bin="$(build_module "kueue-$KUEUE_VERSION" sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue kueue)"
+  if [ ! -d "$bin/crds" ]; then
+    local dir
+    dir="$(cd "$CACHE/src/kueue-$KUEUE_VERSION" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+    mkdir -p "$bin/crds.tmp"
+    cp "$dir"/config/components/crd/bases/*.yaml "$bin/crds.tmp/"
+    cp "$dir/config/components/webhook/manifests.yaml" "$bin/kueue-webhooks.yaml"
+    mv "$bin/crds.tmp" "$bin/crds"
+  fi
+  echo "KUEUE_BIN=$bin"
+}
+
 command -v go >/dev/null || { log "the Go toolchain is needed to build the control plane (go.dev/dl)"; exit 1; }
 build_k8s
 build_etcd
 build_jobset
 build_kwok
+build_kueue

@@ -1,8 +1,9 @@
 """Start a real Kubernetes control plane on 127.0.0.1 for the end-to-end tests (`make cluster`).
 
 etcd, kube-apiserver (RBAC on, token and client-certificate authentication, an audit log), kube-controller-manager,
-kube-scheduler, the JobSet controller with its webhooks served to the API server by URL, and KWOK driving fake
-nodes labelled like GKE TPU v7x and GPU node pools. Binaries come from ``build.sh`` (Go modules, cached per
+kube-scheduler, the JobSet controller and Kueue (its JobSet integration) with their webhooks served to the API
+server by URL, and KWOK driving fake nodes labelled like GKE TPU v7x and GPU node pools. Kueue reads its metrics
+certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from ``build.sh`` (Go modules, cached per
 version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin), ``env`` (ports and paths the tests read),
 ``pids/`` (what ``down.py`` stops) and ``logs/``.
 
@@ -37,9 +38,18 @@ IDENTITIES = {
     "scheduler": ("system:kube-scheduler", ""),
     "jobset": ("system:jobset-controller", "system:masters"),
     "kwok": ("system:kwok-controller", "system:masters"),
+    "kueue": ("system:kueue-controller", "system:masters"),
 }
 READY_TIMEOUT_S = 120
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "jobset-controller", "kwok")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "jobset-controller",
+    "kueue",
+    "kwok",
+)
 
 
 def free_port() -> int:
@@ -233,16 +243,30 @@ def jobset(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) ->
         f"--health-probe-bind-address=127.0.0.1:{env['jobset_health_port']}",
     ])  # fmt: skip
     wait_url("jobset-controller", f"http://127.0.0.1:{env['jobset_health_port']}/readyz")
-    ca_bundle = base64.b64encode((pki / "ca.crt").read_bytes()).decode()
+    register_webhooks(api, bins["JOBSET_BIN"] / "jobset-webhooks.yaml", "jobset", env["jobset_webhook_port"])
+
+
+def register_webhooks(api: Any, manifest: Path, prefix: str, port: int, groups: tuple[str, ...] = ()) -> None:
+    """A controller's webhook configurations, pointed at 127.0.0.1:``port`` by URL with the test CA as caBundle.
+
+    ``groups``: keep only the webhooks for these API groups (a controller serves only the integrations it runs;
+    a registered webhook nobody serves would refuse every such request).
+    """
+    from kubernetes import client
+
+    ca_bundle = base64.b64encode((STATE / "pki" / "ca.crt").read_bytes()).decode()
     admission = client.AdmissionregistrationV1Api(api)
-    for doc in yaml.safe_load_all((bins["JOBSET_BIN"] / "jobset-webhooks.yaml").read_text()):
+    for doc in yaml.safe_load_all(manifest.read_text()):
         if not doc:
             continue
-        doc["metadata"] = {"name": f"jobset-{doc['metadata']['name']}"}
+        doc["metadata"] = {"name": f"{prefix}-{doc['metadata']['name']}"}
+        if groups:
+            doc["webhooks"] = [
+                h for h in doc["webhooks"] if {g for r in h["rules"] for g in r["apiGroups"]} <= set(groups)
+            ]
         for hook in doc["webhooks"]:
             path = hook["clientConfig"]["service"]["path"]
-            url = f"https://127.0.0.1:{env['jobset_webhook_port']}{path}"
-            hook["clientConfig"] = {"url": url, "caBundle": ca_bundle}
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
         create, replace = (
             (admission.create_mutating_webhook_configuration, admission.replace_mutating_webhook_configuration)
             if doc["kind"] == "MutatingWebhookConfiguration"
@@ -254,6 +278,67 @@ def jobset(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) ->
             if exc.status != 409:
                 raise
             replace(doc["metadata"]["name"], doc)
+
+
+def kueue(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> None:
+    """Kueue's CRDs and controller with only its JobSet integration; its webhooks registered by URL, as JobSet's."""
+    from kubernetes import client, config
+
+    config.load_kube_config(str(STATE / "kubeconfig"))
+    api = client.ApiClient()
+    ext = client.ApiextensionsV1Api(api)
+    names = []
+    for path in sorted((bins["KUEUE_BIN"] / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        names.append(crd["metadata"]["name"])
+        if not ext.list_custom_resource_definition(field_selector=f"metadata.name={names[-1]}").items:
+            ext.create_custom_resource_definition(crd)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:  # Kueue indexes its kinds at start: they must be served first
+        established = {
+            crd.metadata.name
+            for crd in ext.list_custom_resource_definition().items
+            if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+        }
+        if set(names) <= established:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"up.py: Kueue's CRDs not Established: {sorted(set(names) - established)}")
+        time.sleep(0.3)
+    core = client.CoreV1Api(api)
+    if not core.list_namespace(field_selector="metadata.name=kueue-system").items:
+        core.create_namespace({"metadata": {"name": "kueue-system"}})
+    cfg = {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": "kueue-system",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "webhook": {"port": env["kueue_webhook_port"], "host": "127.0.0.1",
+                    "certDir": str(STATE / "pki" / "webhook-serving")},
+        "metrics": {"bindAddress": "0"},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{env['kueue_health_port']}"},
+        "manageJobsWithoutQueueName": False,
+        "integrations": {"frameworks": ["jobset.x-k8s.io/jobset"]},
+    }  # fmt: skip
+    (STATE / "kueue-config.yaml").write_text(yaml.safe_dump(cfg))
+    # With its own certificate management off, Kueue reads its metrics server's certificate from a fixed path.
+    metrics_certs = Path("/etc/kueue/metrics/certs")
+    try:
+        metrics_certs.mkdir(parents=True, exist_ok=True)
+        for name in ("tls.crt", "tls.key"):
+            shutil.copy(STATE / "pki" / "webhook-serving" / name, metrics_certs / name)
+    except PermissionError:
+        raise SystemExit(f"up.py: Kueue needs its metrics certificate at {metrics_certs}; run as root") from None
+    kubeconfig(STATE / "kueue.kubeconfig", env["server"], STATE / "pki" / "ca.crt", token["kueue"])
+    start("kueue", [
+        bins["KUEUE_BIN"] / "kueue", f"--config={STATE / 'kueue-config.yaml'}",
+        f"--kubeconfig={STATE / 'kueue.kubeconfig'}",
+        "--feature-gates=VisibilityOnDemand=false",  # an aggregated API server of its own, with its own certificates
+    ])  # fmt: skip
+    wait_url("kueue", f"http://127.0.0.1:{env['kueue_health_port']}/readyz")
+    register_webhooks(api, bins["KUEUE_BIN"] / "kueue-webhooks.yaml", "kueue", env["kueue_webhook_port"],
+                      ("kueue.x-k8s.io", "jobset.x-k8s.io"))  # fmt: skip
 
 
 def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> None:
@@ -333,11 +418,14 @@ def main() -> None:
         "apiserver_port": free_port(),
         "jobset_webhook_port": free_port(),
         "jobset_health_port": free_port(),
+        "kueue_webhook_port": free_port(),
+        "kueue_health_port": free_port(),
     }
     env["server"] = f"https://127.0.0.1:{env['apiserver_port']}"
     kubeconfig(STATE / "kubeconfig", env["server"], STATE / "pki" / "ca.crt", token["admin"])
     control_plane(bins, env, token)
     jobset(bins, env, token)
+    kueue(bins, env, token)
     kwok(bins, env, token)
     fake_nodes()
     env["components"] = list(COMPONENTS)

@@ -142,10 +142,15 @@ def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
     operator = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     api = client.CustomObjectsApi(cluster.api)
     suffix = uuid.uuid4().hex[:6]  # the watched namespace outlives a session: fresh names for each run
-    run, held = f"rbac-run-{suffix}", f"rbac-suspend-{suffix}"
+    run, held, queued = f"rbac-run-{suffix}", f"rbac-suspend-{suffix}", f"rbac-queued-{suffix}"
     try:
         api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, _job(run))
         api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, _job(held, suspend=True))
+        # Queued and suspended: the operator deactivates the Workload Kueue makes for it (its LocalQueue need not
+        # exist for that).
+        queued_job = _job(queued, suspend=True)
+        queued_job["spec"]["resources"]["queueName"] = "nowhere"
+        api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, queued_job)
 
         def phase(name: str) -> str | None:
             return (api.get_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, name).get("status") or {}).get(
@@ -154,6 +159,15 @@ def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
 
         _wait(lambda: phase(run) == "Succeeded", f"{run} Succeeded")
         _wait(lambda: phase(held) == "Suspended", "rbac-suspend Suspended")
+
+        def deactivated() -> bool:
+            workloads = api.list_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", WATCHED, "workloads")["items"]
+            mine = [w for w in workloads if any(r["name"] == queued for r in w["metadata"].get("ownerReferences", []))]
+            return bool(mine) and all(w["spec"].get("active") is False for w in mine)
+
+        _wait(deactivated, "the queued job's Workload deactivated")
+        assert phase(queued) == "Suspended"
+        api.delete_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, queued)
         # A spec change while suspended: the operator rewrites the ConfigMap and replaces the JobSet (delete +
         # create); resuming runs it (its pod runs 4 s on a KWOK node: the operator reads progress meanwhile).
         before = _spec_hash(api, held)

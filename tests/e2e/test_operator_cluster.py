@@ -209,7 +209,7 @@ def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, ope
         doc = yaml.safe_load(path.read_text())
         doc["metadata"] = {"name": path.stem, "namespace": namespace}
         doc["spec"]["maxRestarts"] = 0
-        # A queued job waits, suspended, for Kueue to admit it; this control plane runs no Kueue yet.
+        # Placement only: no LocalQueue exists here, so a queued job would wait (queueing: test_kueue_*).
         doc["spec"]["resources"].pop("queueName", None)
         api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
         expected[path.stem] = pod_shape(load_trainingjob_file(path).spec, OperatorSettings())
@@ -463,6 +463,91 @@ def test_active_deadline_bounds_the_whole_run_across_restarts(k8s: Any, cluster:
         _wait(lambda: (_jobset(k8s, namespace, "e2e-deadline") or {}).get("spec", {}).get("suspend"), "suspended")
         _wait(lambda: not [p for p in _pods(k8s, namespace, "e2e-deadline") if p.status.phase == "Running"],
               "no pod left running")  # fmt: skip
+
+
+def test_kueue_admits_one_slice_at_a_time(k8s: Any, cluster: Any) -> None:
+    """A ClusterQueue with quota for one tpu7x 2x2x1 slice and two jobs in its LocalQueue: the first is admitted
+    (Kueue unsuspends its JobSet), the second waits (Pending, saying it is queued, its JobSet still suspended) and
+    is admitted once the first has finished and given its quota back."""
+    import uuid
+
+    if "kueue" not in cluster.env.get("components", ()):
+        pytest.fail("make cluster starts Kueue; this cluster has none (an older .cluster? make cluster-down)")
+    api, suffix = k8s.client.CustomObjectsApi(), uuid.uuid4().hex[:6]
+    flavor, queue = f"tpu7x-2x2x1-{suffix}", f"one-slice-{suffix}"
+    kueue = ("kueue.x-k8s.io", "v1beta2")
+    topology = {"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": "2x2x1"}
+    api.create_cluster_custom_object(*kueue, "resourceflavors", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": flavor},
+        "spec": {"nodeLabels": topology},
+    })  # fmt: skip
+    api.create_cluster_custom_object(*kueue, "clusterqueues", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": queue},
+        "spec": {"namespaceSelector": {}, "resourceGroups": [{
+            "coveredResources": ["cpu", "memory", "google.com/tpu"],
+            "flavors": [{"name": flavor, "resources": [
+                {"name": "cpu", "nominalQuota": "1000"}, {"name": "memory", "nominalQuota": "100Ti"},
+                {"name": "google.com/tpu", "nominalQuota": "4"},  # one 2x2x1 slice
+            ]}],
+        }]},
+    })  # fmt: skip
+    try:
+        with _own_operator(k8s, cluster, "kueue", progress_interval=1) as (namespace, _):
+            api.create_namespaced_custom_object(*kueue, namespace, "localqueues", {
+                "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                "metadata": {"name": "tpu", "namespace": namespace}, "spec": {"clusterQueue": queue},
+            })  # fmt: skip
+
+            def job(name: str, **spec: Any) -> dict[str, Any]:
+                doc = _trainingjob(name, namespace, **spec)
+                image = {k: v for k, v in doc["spec"]["resources"].items() if k == "image"}
+                doc["spec"]["resources"] = {"tpu": {"topology": "2x2x1"}, "queueName": "tpu", **image}
+                return doc
+
+            # The first holds the quota for three 4 s attempts (each fails, maxRestarts 2), then ends Failed.
+            first = job("e2e-first", maxRestarts=2)
+            first["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": "1"}]
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, first)
+            _wait(lambda: (_jobset(k8s, namespace, "e2e-first") or {"spec": {"suspend": True}})["spec"]["suspend"]
+                  is False, "the first job admitted")  # fmt: skip
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job("e2e-second"))
+
+            def queued(name: str) -> dict[str, Any] | None:
+                status = _get(k8s, namespace, name).get("status") or {}
+                found = [c for c in status.get("conditions") or [] if c["type"] == "Queued" and c["status"] == "True"]
+                return {**status, "queued": found[0]} if found else None
+
+            waiting = _wait(lambda: queued("e2e-second"), "the second job reported queued", timeout=60)
+            assert waiting["phase"] == "Pending" and "LocalQueue 'tpu'" in waiting["queued"]["message"], waiting
+            assert (_jobset(k8s, namespace, "e2e-second") or {})["spec"]["suspend"] is True
+            assert (_get(k8s, namespace, "e2e-first").get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            done = _wait(
+                lambda: (s := _get(k8s, namespace, "e2e-second").get("status") or {}).get("phase") == "Succeeded" and s,
+                "the second job admitted and finished",
+                timeout=180,
+            )
+            finished = _get(k8s, namespace, "e2e-first")["status"]
+            assert finished["phase"] == "Failed" and finished["restarts"] == 2, finished
+            assert done["startTime"] >= finished["completionTime"], (done, finished)  # RFC 3339 in UTC sorts
+            # Suspending a queued job goes through Kueue (its Workload inactive), so Kueue does not start it
+            # while the quota is free; resuming queues it again and it runs.
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job("e2e-held", suspend=True))
+            _wait(lambda: (_get(k8s, namespace, "e2e-held").get("status") or {}).get("phase") == "Suspended",
+                  "the held job Suspended")  # fmt: skip
+            workloads = lambda: [w for w in api.list_namespaced_custom_object(*kueue, namespace, "workloads")["items"]
+                                 if w["metadata"]["ownerReferences"][0]["name"] == "e2e-held"]  # fmt: skip
+            _wait(lambda: workloads() and workloads()[0]["spec"].get("active") is False, "its Workload inactive")
+            time.sleep(5)  # quota is free: an active Workload would be admitted within a second
+            assert (_jobset(k8s, namespace, "e2e-held") or {})["spec"]["suspend"] is True
+            assert (_get(k8s, namespace, "e2e-held").get("status") or {})["phase"] == "Suspended"
+            api.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, "e2e-held", {"spec": {"suspend": False}}
+            )
+            _wait(lambda: (_get(k8s, namespace, "e2e-held").get("status") or {}).get("phase") == "Succeeded",
+                  "the held job resumed through Kueue and finished", timeout=120)  # fmt: skip
+    finally:
+        api.delete_cluster_custom_object(*kueue, "clusterqueues", queue)
+        api.delete_cluster_custom_object(*kueue, "resourceflavors", flavor)
 
 
 def test_rank_0_is_looked_up_once_per_attempt_not_once_per_pass(k8s: Any, cluster: Any) -> None:

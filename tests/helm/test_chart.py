@@ -241,6 +241,7 @@ OPERATOR_RULES = {
     ("wanloom.dev", "trainingjobs/finalizers"): {"update"},
     ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch"},
+    ("kueue.x-k8s.io", "workloads"): {"list", "patch"},
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
 }

@@ -77,6 +77,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
+# Kueue owns a queued JobSet's suspend flag: a queued job is suspended and resumed through its Workload.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "patch"]
 # Read-only: rank 0's address for progress.
 - apiGroups: [""]
   resources: ["pods"]

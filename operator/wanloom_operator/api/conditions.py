@@ -14,6 +14,7 @@ CREATED = "Created"  # the JobSet exists (created, or adopted after an operator 
 RUNNING = "Running"  # every pod of every Job is ready
 RESTARTING = "Restarting"  # the JobSet is recreating its Jobs after a failure or a disruption
 SUSPENDED = "Suspended"
+QUEUED = "Queued"  # True: the JobSet waits for Kueue to admit it (reason WaitingForAdmission, message: the queue)
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended

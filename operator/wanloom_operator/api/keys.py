@@ -25,6 +25,7 @@ JOBSET_COORDINATOR = "jobset.sigs.k8s.io/coordinator"
 JOBSET_EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+KUEUE_JOB_UID = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue creates for a JobSet: the JobSet's uid
 # GKE multi-networking: which extra networks a pod attaches (GPUDirect RDMA on A3 Ultra / A4).
 GKE_DEFAULT_INTERFACE = "networking.gke.io/default-interface"
 GKE_INTERFACES = "networking.gke.io/interfaces"

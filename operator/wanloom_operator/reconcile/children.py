@@ -9,7 +9,8 @@ Idempotent, so create, resume, update and the JobSet watch can all call :func:`r
    given a new JobSet (its JobSet may be gone after ttlSecondsAfterFinished);
 4. a JobSet from an older spec (its spec-hash annotation differs): while suspended, replace it (a JobSet's pod
    template is immutable); while running, report it (condition SpecChangePending and an Event), never ignore it;
-5. propagate ``spec.suspend`` (with a Kueue queue, unsuspending is Kueue's decision, not ours).
+5. propagate ``spec.suspend``: to the JobSet, or with a Kueue queue to its Workload's ``spec.active`` (Kueue owns
+   the JobSet's suspend flag and would undo ours).
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ async def _create(out: Outcome, rendered: Rendered, job: TrainingJob, runtime: R
         out.set(cond.SPEC_CHANGE_PENDING, "False", cond.REASON_SPEC_APPLIED)
     out.phase = derive_phase(rendered.jobset, _intent(job)).phase  # a new JobSet has no status yet
     out.phase_from = frozenset({None, "Invalid"})
+    if job.spec.suspend and job.spec.resources.queue_name:
+        out.retry_after = 2.0  # Kueue creates the Workload next: come back to deactivate it before it is admitted
 
 
 async def _sync_existing(
@@ -252,12 +255,35 @@ async def _spec_changed(
 
 
 async def _sync_suspend(out: Outcome, current: dict[str, Any], job: TrainingJob, runtime: Runtime) -> None:
-    want = True if job.spec.suspend else (None if job.spec.resources.queue_name else False)
-    if want is None or want == _suspended(current):
+    if job.spec.resources.queue_name:
+        await _sync_workload_active(out, current, job, runtime)
+        return
+    want = job.spec.suspend
+    if want == _suspended(current):
         return
     meta = current["metadata"]
     await runtime.cluster.patch_jobset(meta["namespace"], meta["name"], {"spec": {"suspend": want}})
     out.event("Normal", "Suspended" if want else "Resumed", f"JobSet {meta['name']} suspend={str(want).lower()}")
+
+
+async def _sync_workload_active(out: Outcome, current: dict[str, Any], job: TrainingJob, runtime: Runtime) -> None:
+    """Under Kueue the JobSet's suspend flag is Kueue's: a JobSet we suspend while its Workload is admitted, Kueue
+    starts again. What Kueue offers instead is the Workload's spec.active: false evicts and suspends the JobSet
+    and keeps it out of the queue, true queues it again."""
+    meta = current["metadata"]
+    workloads = await runtime.cluster.list_workloads(meta["namespace"], f"{keys.KUEUE_JOB_UID}={meta['uid']}")
+    if not workloads:
+        if job.spec.suspend:
+            raise RetryLater(f"waiting for Kueue to create the Workload of JobSet {meta['name']}", delay=2)
+        return  # created active: nothing to change
+    want = not job.spec.suspend
+    for workload in workloads:
+        if (workload.get("spec") or {}).get("active", True) == want:
+            continue
+        name = workload["metadata"]["name"]
+        await runtime.cluster.patch_workload(meta["namespace"], name, {"spec": {"active": want}})
+        verb = "Resumed" if want else "Suspended"
+        out.event("Normal", verb, f"Kueue Workload {name} active={str(want).lower()} (JobSet {meta['name']})")
 
 
 async def ensure_configmap(rendered: Rendered, runtime: Runtime) -> None:

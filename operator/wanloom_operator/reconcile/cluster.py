@@ -19,6 +19,7 @@ from wanloom_operator.api import trainingjob as tj
 from wanloom_operator.settings import OperatorSettings
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 MERGE_PATCH = "application/merge-patch+json"
 TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 _TIMEOUT = (5.0, 30.0)  # connect, read
@@ -91,6 +92,16 @@ class Cluster:
 
     async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         await _call(self._core.patch_namespaced_config_map, name, namespace, patch, _content_type=MERGE_PATCH)
+
+    # Kueue Workloads (spec.active is how a queued job is stopped and resumed)
+    async def list_workloads(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        fn = self._custom.list_namespaced_custom_object
+        result = await _call(fn, KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=label_selector)
+        return list(result.get("items") or [])
+
+    async def patch_workload(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        fn = self._custom.patch_namespaced_custom_object
+        await _call(fn, KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, name, patch)
 
     # Pods (read-only: rank 0's address)
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:

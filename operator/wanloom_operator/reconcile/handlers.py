@@ -141,7 +141,7 @@ async def _reconcile(handler: str, body: kopf.Body, runtime: Runtime, retry: int
         raise kopf.PermanentError(f"Kubernetes API: {exc}") from None
     await _write(outcome, body, runtime)
     if outcome.retry_after is not None:
-        raise kopf.TemporaryError("retrying after the API refused the JobSet", delay=outcome.retry_after)
+        raise kopf.TemporaryError("reconciling again shortly", delay=outcome.retry_after)
 
 
 async def _jobset_deleted(jobset: Mapping[str, Any], runtime: Runtime) -> None:

@@ -105,6 +105,16 @@ def derive_status(
             now=now,
             generation=generation,
         )
+    queued = info.reason == cond.REASON_QUEUED
+    conditions = cond.set_condition(
+        conditions,
+        cond.QUEUED,
+        "True" if queued else "False",
+        info.reason if queued else "NotQueued",
+        info.message if queued else "",
+        now=now,
+        generation=generation,
+    )
     js_status = jobset.get("status") or {}
     patch: dict[str, Any] = {
         "phase": info.phase,
