@@ -3,9 +3,9 @@
 etcd, kube-apiserver (RBAC on, token and client-certificate authentication, an audit log), kube-controller-manager,
 kube-scheduler, the JobSet controller and Kueue (its JobSet integration) with their webhooks served to the API
 server by URL, and KWOK driving fake nodes labelled like GKE TPU v7x and GPU node pools. Kueue reads its metrics
-certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from ``build.sh`` (Go modules, cached per
-version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin), ``env`` (ports and paths the tests read),
-``pids/`` (what ``down.py`` stops) and ``logs/``.
+certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from
+``build.sh`` (Go modules, cached per version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin),
+``env`` (ports and paths the tests read), ``pids/`` (what ``down.py`` stops) and ``logs/``.
 
 Usage: python .ci/cluster/up.py   (idempotent: a running cluster is left as it is)
 """
