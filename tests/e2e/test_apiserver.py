@@ -103,6 +103,15 @@ PARALLELISM = [
     ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"fsdp": -1, "context": 3}),
     ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"fsdp": -1, "context": 4}),
 ]
+# (resources, parallelism degrees, globalBatch): data x fsdp ranks at, just above and just below the batch.
+GLOBAL_BATCH = [
+    ({"tpu": {"topology": "4x4x4", "slices": 2}}, {"data": 2, "fsdp": -1, "context": 4}, 64),
+    ({"tpu": {"topology": "4x4x4", "slices": 2}}, {"data": 2, "fsdp": -1, "context": 4}, 63),
+    ({"gpu": {"type": "h200", "perNode": 8, "nodes": 2}}, {"data": -1, "fsdp": 8}, 16),
+    ({"gpu": {"type": "h200", "perNode": 8, "nodes": 2}}, {"data": -1, "fsdp": 8}, 15),
+    ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}, 2),
+    ({"cpu": {"nodes": 2, "devicesPerNode": 4}}, {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}, 1),
+]
 
 
 def _job(resources: dict[str, Any], parallelism: dict[str, int] | None = None) -> dict[str, Any]:
@@ -139,4 +148,24 @@ def test_the_crd_decides_the_parallelism_product_as_validate_does(
     cluster: Any, crd: Any, namespace: str, resources: dict[str, Any], parallelism: dict[str, int]
 ) -> None:
     doc = _job(resources, parallelism)
+    assert _admitted(cluster, namespace, doc) == validate_trainingjob(doc).ok, validate_trainingjob(doc).errors
+
+
+VOLUME_CASES = yaml.safe_load((INVALID.parent / "volume_cases.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", VOLUME_CASES, ids=lambda c: str(c["error"]))
+def test_the_crd_decides_volumes_as_validate_does(cluster: Any, crd: Any, namespace: str, case: dict[str, Any]) -> None:
+    doc = _job({"cpu": {}, **{k: v for k, v in case.items() if k != "error"}})
+    assert _admitted(cluster, namespace, doc) == validate_trainingjob(doc).ok, validate_trainingjob(doc).errors
+
+
+@pytest.mark.parametrize(
+    ("resources", "parallelism", "batch"), GLOBAL_BATCH, ids=lambda v: json.dumps(v, separators=(",", ":"))
+)
+def test_the_crd_decides_global_batch_per_rank_as_validate_does(
+    cluster: Any, crd: Any, namespace: str, resources: dict[str, Any], parallelism: dict[str, int], batch: int
+) -> None:
+    doc = _job(resources, parallelism)
+    doc["spec"]["training"]["globalBatch"] = batch
     assert _admitted(cluster, namespace, doc) == validate_trainingjob(doc).ok, validate_trainingjob(doc).errors

@@ -58,10 +58,12 @@ def namespace(k8s: Any) -> Iterator[str]:
     core.delete_namespace(name)
 
 
-def _start_operator(cluster: Any, namespace: str, progress_interval: float = 5) -> subprocess.Popen[str]:
-    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster."""
+def _start_operator(
+    cluster: Any, namespace: str, progress_interval: float = 5, settings: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster (``settings``: more env)."""
     env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": str(progress_interval), "WANLOOM_LOG_FORMAT": "plain",
-           "KUBECONFIG": cluster.kubeconfig}  # fmt: skip
+           "KUBECONFIG": cluster.kubeconfig, **(settings or {})}  # fmt: skip
     if TRAINER_IMAGE:
         env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
     command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator"]
@@ -172,18 +174,22 @@ def test_suspend_resume_and_cascading_deletion(k8s: Any, namespace: str, operato
     )
 
 
-def test_invalid_trainingjob_is_reported(k8s: Any, namespace: str, operator: Any) -> None:
-    """The CRD's own schema rejects most mistakes; the operator reports what only it can check."""
-    doc = _trainingjob("e2e-invalid", namespace)
-    doc["spec"]["resources"]["volumes"] = [{"name": "dshm", "emptyDir": {}}]  # reserved by the operator
-    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
-    status = _wait(
-        lambda: (s := _get(k8s, namespace, "e2e-invalid").get("status") or {}).get("phase") == "Invalid" and s,
-        "phase Invalid",
-        timeout=120,
-    )
-    assert "spec.resources.volumes[0].name" in status["message"]
-    assert _jobset(k8s, namespace, "e2e-invalid") is None
+def test_invalid_trainingjob_is_reported(k8s: Any, cluster: Any) -> None:
+    """The CRD refuses every rule a manifest alone decides; what is left to the operator depends on how it is
+    configured: under the GPUDirect RDMA profile (gib) an h100 job, whose nodes lack those NICs, is Invalid."""
+    gib = {"WANLOOM_GPU_NCCL_PROFILE": "gib", "WANLOOM_GPU_NETWORK_INTERFACES": "gvnic-1,rdma-0"}
+    with _own_operator(k8s, cluster, "invalid", settings=gib) as (namespace, _):
+        doc = _trainingjob("e2e-invalid", namespace)
+        doc["spec"]["resources"] = {"gpu": {"type": "h100", "nodes": 2}, "image": "python:3.11-slim"}
+        doc["spec"]["training"]["globalBatch"] = 16  # one sample per rank, or the CRD refuses it
+        k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        status = _wait(
+            lambda: (s := _get(k8s, namespace, "e2e-invalid").get("status") or {}).get("phase") == "Invalid" and s,
+            "phase Invalid",
+            timeout=120,
+        )
+        assert "spec.resources.gpu.type" in status["message"], status
+        assert _jobset(k8s, namespace, "e2e-invalid") is None
 
 
 def _pods(k8s: Any, namespace: str, jobset: str) -> list[Any]:
@@ -278,9 +284,11 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
 class _Operator:
     """An operator process of one namespace that a test may SIGKILL and start again."""
 
-    def __init__(self, cluster: Any, namespace: str, progress_interval: float = 5) -> None:
-        self.cluster, self.namespace, self.interval = cluster, namespace, progress_interval
-        self.process = _start_operator(cluster, namespace, progress_interval)
+    def __init__(
+        self, cluster: Any, namespace: str, progress_interval: float = 5, settings: dict[str, str] | None = None
+    ) -> None:
+        self.cluster, self.namespace, self.interval, self.settings = cluster, namespace, progress_interval, settings
+        self.process = _start_operator(cluster, namespace, progress_interval, settings)
 
     def kill(self) -> None:
         import signal
@@ -290,11 +298,13 @@ class _Operator:
 
     def restart(self) -> None:
         self.kill()
-        self.process = _start_operator(self.cluster, self.namespace, self.interval)
+        self.process = _start_operator(self.cluster, self.namespace, self.interval, self.settings)
 
 
 @contextlib.contextmanager
-def _own_operator(k8s: Any, cluster: Any, prefix: str, progress_interval: float = 5) -> Iterator[tuple[str, _Operator]]:
+def _own_operator(
+    k8s: Any, cluster: Any, prefix: str, progress_interval: float = 5, settings: dict[str, str] | None = None
+) -> Iterator[tuple[str, _Operator]]:
     """A fresh namespace with its own operator; on the way out its TrainingJobs are deleted (while an operator
     runs, to lift the finalizers), then the operator stopped and the namespace deleted."""
     import uuid
@@ -302,7 +312,7 @@ def _own_operator(k8s: Any, cluster: Any, prefix: str, progress_interval: float 
     core, api = k8s.client.CoreV1Api(), k8s.client.CustomObjectsApi()
     namespace = f"wanloom-e2e-{prefix}-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": namespace}})
-    operator = _Operator(cluster, namespace, progress_interval)
+    operator = _Operator(cluster, namespace, progress_interval, settings)
     try:
         yield namespace, operator
     finally:

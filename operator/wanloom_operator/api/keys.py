@@ -45,6 +45,11 @@ ENV_DEVICES_PER_HOST = "WANLOOM_DEVICES_PER_HOST"
 
 CONFIG_MOUNT_DIR = "/etc/wanloom"
 CONFIG_FILE_NAME = "trainingjob.yaml"
+RUN_DIR = "/var/run/wanloom"  # the trainer's scratch directory in a pod
+GIB_DIR = "/usr/local/gib"  # GKE's gIB NCCL plugin, from the host, with the gib GPU profile
+# The pod volumes the operator adds, by name, and where the trainer container mounts them: a TrainingJob may use
+# neither the names nor the paths (validation, the CRD's CEL and render all read this table).
+OPERATOR_VOLUMES = {"wanloom-config": CONFIG_MOUNT_DIR, "dshm": "/dev/shm", "wanloom-run": RUN_DIR, "gib": GIB_DIR}
 JAX_COORDINATOR_PORT = 8476
 TORCH_MASTER_PORT = 29500
 

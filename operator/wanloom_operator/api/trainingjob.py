@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from wanloom_operator.api import keys
 from wanloom_operator.api.topology import (
     GPUS_PER_NODE,
     TENSORCORES_PER_TPU7X_CHIP,
@@ -92,15 +93,25 @@ PARALLELISM_PRODUCT = (
     "the parallelism degrees (data x fsdp x context x tensor) must multiply to the job's devices, or with one -1 "
     "divide them (devices: 2 per tpu7x chip x slices; gpu perNode x nodes; cpu nodes x devicesPerNode)"
 )
+GLOBAL_BATCH_PER_RANK = "globalBatch must give every data-parallel rank (data x fsdp) at least one sample"
 MAX_DEGREE = 1 << 20  # bounds the CEL product below int64
+MAX_VOLUMES = 32  # bounds the CEL rules' cost (the duplicate check is quadratic)
+VOLUME_NEEDS_NAME = "every volume needs a name"
+RESERVED_VOLUME = f"the operator's volumes are reserved ({', '.join(keys.OPERATOR_VOLUMES)})"
+DUPLICATE_VOLUME = "volume names must be unique"
+MOUNT_NEEDS_NAME_AND_PATH = "a volumeMount needs name and mountPath"
+MOUNT_OF_NO_VOLUME = "a volumeMount must name a volume of spec.resources.volumes"
+RESERVED_MOUNT_PATH = f"the operator's mount paths are reserved ({', '.join(keys.OPERATOR_VOLUMES.values())})"
+_RESERVED_PATH_REGEX = "^(" + "|".join(keys.OPERATOR_VOLUMES.values()) + ")/*$"  # paths hold no regex syntax
 
 
-def _parallelism_product_cel() -> str:
-    """CEL on the spec: the degrees multiply to the device count (validation.resolve_parallelism's rule).
+def _parallelism_cel() -> tuple[str, str]:
+    """CEL on the spec for the device-count rules: (the degrees multiply to the devices, as
+    validation.resolve_parallelism decides; globalBatch covers data x fsdp ranks, a -1 filled from the devices).
 
     Products are built one factor at a time, each bounded by the device count before the next multiplies, so no
-    intermediate overflows; a topology the TPU rule refuses, or a resources block without exactly one
-    accelerator, is left to those rules.
+    intermediate overflows. Where the accelerator block or the TPU topology is refused by its own rule, or the
+    degrees by ParallelismSpec's, these rules stand aside.
     """
     tpu, gpu, cpu = "self.resources.tpu", "self.resources.gpu", "self.resources.cpu"
     devices = (
@@ -108,14 +119,22 @@ def _parallelism_product_cel() -> str:
         f"has({gpu}) ? {gpu}.perNode * {gpu}.nodes : {cpu}.nodes * {cpu}.devicesPerNode)"
     )
     degrees = [f"self.parallelism.{d}" for d in ("data", "fsdp", "context", "tensor")]
+    listed = "[" + ", ".join(degrees) + "]"
     factors = [f"({d} == -1 ? 1 : {d})" for d in degrees]
     partial = [" * ".join(factors[: i + 1]) for i in range(4)]
-    auto = "[" + ", ".join(degrees) + "]"
-    bounded = " && ".join(f"{p} <= {devices}" for p in partial)
-    one_accelerator = f"[has({tpu}), has({gpu}), has({cpu})].filter(x, x).size() == 1"
+    fixed = partial[-1]  # the product of the degrees that are not -1
+    not_applicable = (
+        f"!([has({tpu}), has({gpu}), has({cpu})].filter(x, x).size() == 1) || "
+        f"(has({tpu}) && !{tpu7x_topology_cel(tpu + '.topology')}) || "
+        f"{listed}.filter(d, d == -1).size() > 1 || {listed}.exists(d, d == 0)"
+    )
+    product_ok = " && ".join(f"{p} <= {devices}" for p in partial) + (
+        f" && ({listed}.exists(d, d == -1) ? {devices} % ({fixed}) == 0 : {fixed} == {devices})"
+    )
+    ranks = " * ".join(f"({d} == -1 ? {devices} / ({fixed}) : {d})" for d in degrees[:2])
     return (
-        f"!({one_accelerator}) || (has({tpu}) && !{tpu7x_topology_cel(tpu + '.topology')}) || "
-        f"({bounded} && ({auto}.exists(d, d == -1) ? {devices} % ({partial[-1]}) == 0 : {partial[-1]} == {devices}))"
+        f"{not_applicable} || ({product_ok})",
+        f"{not_applicable} || !({product_ok}) || self.training.globalBatch >= {ranks}",
     )
 
 
@@ -360,6 +379,21 @@ class EnvVar(_Model):
 KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
+def _kube_object_with(**fields: tuple[int, str]) -> Any:
+    """A pass-through Kubernetes object whose named string fields (max length, description) the CRD declares, so
+    its CEL rules can read them (the lengths bound the rules' cost)."""
+    properties = {
+        name: {"type": "string", "maxLength": length, "description": description}
+        for name, (length, description) in fields.items()
+    }
+    extra = {"x-kubernetes-preserve-unknown-fields": True, "properties": properties}
+    return Annotated[dict[str, Any], Field(json_schema_extra=extra)]
+
+
+Volume = _kube_object_with(name=(63, "Volume name (core/v1 Volume; the rest passes through)."))
+VolumeMount = _kube_object_with(name=(63, "The volume mounted."), mountPath=(1024, "Where, in the trainer container."))
+
+
 class ResourcesSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (
@@ -368,6 +402,36 @@ class ResourcesSpec(_Model):
         ),
         ("!has(self.tpu) || !has(self.backend) || self.backend == 'jax'", "tpu needs backend jax", ".backend"),
         ("!has(self.gpu) || !has(self.backend) || self.backend == 'torch'", GPU_NEEDS_TORCH, ".backend"),
+        ("!has(self.volumes) || self.volumes.all(v, has(v.name) && v.name != '')", VOLUME_NEEDS_NAME, ".volumes"),
+        (
+            "!has(self.volumes) || "
+            f"self.volumes.all(v, !has(v.name) || !(v.name in {_cel_list(keys.OPERATOR_VOLUMES)}))",
+            RESERVED_VOLUME,
+            ".volumes",
+        ),
+        (
+            "!has(self.volumes) || "
+            "self.volumes.all(v, !has(v.name) || self.volumes.filter(w, has(w.name) && w.name == v.name).size() == 1)",
+            DUPLICATE_VOLUME,
+            ".volumes",
+        ),
+        (
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, has(m.name) && has(m.mountPath))",
+            MOUNT_NEEDS_NAME_AND_PATH,
+            ".volumeMounts",
+        ),
+        (
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, !has(m.name) || "
+            "(has(self.volumes) && self.volumes.exists(v, has(v.name) && v.name == m.name)))",
+            MOUNT_OF_NO_VOLUME,
+            ".volumeMounts",
+        ),
+        (
+            "!has(self.volumeMounts) || "
+            f"self.volumeMounts.all(m, !has(m.mountPath) || !m.mountPath.matches('{_RESERVED_PATH_REGEX}'))",
+            RESERVED_MOUNT_PATH,
+            ".volumeMounts",
+        ),
         (
             "!has(self.cpu) || !has(self.backend) || self.backend != 'torch' || self.cpu.devicesPerNode == 1",
             "the torch backend on cpu runs one process per device: devicesPerNode must be 1 (use nodes)",
@@ -384,8 +448,12 @@ class ResourcesSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Added to the rendered node selector.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Added to the rendered tolerations.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra trainer environment; overrides defaults.")
-    volumes: list[KubeObject] = Field(default_factory=list, description="Extra pod volumes (core/v1 Volume).")
-    volume_mounts: list[KubeObject] = Field(default_factory=list, description="Extra trainer volumeMounts.")
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=MAX_VOLUMES, description="Extra pod volumes (core/v1 Volume)."
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=MAX_VOLUMES, description="Extra trainer volumeMounts."
+    )
     queue_name: str | None = Field(None, description="Kueue LocalQueue; the JobSet is created suspended for Kueue.")
     priority_class_name: str | None = Field(None, description="Pod priority class.")
     service_account_name: str | None = Field(None, description="Pod service account.")
@@ -404,7 +472,8 @@ class ResourcesSpec(_Model):
 
 class TrainingJobSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
-        (_parallelism_product_cel(), PARALLELISM_PRODUCT, ".parallelism"),
+        (_parallelism_cel()[0], PARALLELISM_PRODUCT, ".parallelism"),
+        (_parallelism_cel()[1], GLOBAL_BATCH_PER_RANK, ".training.globalBatch"),
         (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
             "|| !has(self.routing) || !has(self.routing.boundaryRatio)",

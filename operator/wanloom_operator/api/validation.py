@@ -16,12 +16,20 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from wanloom_operator.api import keys
 from wanloom_operator.api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_operator.api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
+    DUPLICATE_VOLUME,
+    GLOBAL_BATCH_PER_RANK,
     GPU_NEEDS_TORCH,
+    MOUNT_NEEDS_NAME_AND_PATH,
+    MOUNT_OF_NO_VOLUME,
     PARALLELISM_PRODUCT,
+    RESERVED_MOUNT_PATH,
+    RESERVED_VOLUME,
+    VOLUME_NEEDS_NAME,
     TrainingJob,
     TrainingJobSpec,
 )
@@ -226,9 +234,35 @@ def _check_parallelism(spec: TrainingJobSpec) -> Iterator[FieldError]:
     if spec.training.global_batch < ranks:
         yield FieldError(
             "spec.training.globalBatch",
-            f"{spec.training.global_batch} samples cannot feed {ranks} data-parallel ranks (data x fsdp); "
+            f"{GLOBAL_BATCH_PER_RANK}: {spec.training.global_batch} samples cannot feed {ranks} ranks; "
             f"use at least {ranks}",
         )
+
+
+def _check_volumes(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    """The user's volumes and mounts beside the operator's own (keys.OPERATOR_VOLUMES): the same rules as the
+    CRD's CEL, with each error at its item."""
+    res, reserved = spec.resources, keys.OPERATOR_VOLUMES
+    names: set[str] = set()
+    for i, volume in enumerate(res.volumes):
+        name, path = volume.get("name"), f"spec.resources.volumes[{i}].name"
+        if not isinstance(name, str) or not name:
+            yield FieldError(path, VOLUME_NEEDS_NAME)
+        elif name in reserved:
+            yield FieldError(path, f"{RESERVED_VOLUME} (got {name!r})")
+        elif name in names:
+            yield FieldError(path, f"{DUPLICATE_VOLUME} (got {name!r} twice)")
+        if isinstance(name, str):
+            names.add(name)
+    for i, mount in enumerate(res.volume_mounts):
+        name, mount_path, path = mount.get("name"), mount.get("mountPath"), f"spec.resources.volumeMounts[{i}]"
+        if not isinstance(name, str) or not isinstance(mount_path, str):
+            yield FieldError(path, MOUNT_NEEDS_NAME_AND_PATH)
+            continue
+        if name not in names or name in reserved:
+            yield FieldError(f"{path}.name", f"{MOUNT_OF_NO_VOLUME} (got {name!r})")
+        if (mount_path.rstrip("/") or "/") in reserved.values():
+            yield FieldError(f"{path}.mountPath", f"{RESERVED_MOUNT_PATH} (got {mount_path!r})")
 
 
 def _check_kernels(spec: TrainingJobSpec) -> Iterator[FieldError]:
@@ -283,6 +317,7 @@ _CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (
     _check_variant_fields,
     _check_resources,
     _check_parallelism,
+    _check_volumes,
     _check_kernels,
     _check_uris,
     _check_training,

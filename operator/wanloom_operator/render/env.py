@@ -16,9 +16,7 @@ from wanloom_operator.render.pods import PodShape
 from wanloom_operator.settings import OperatorSettings
 
 EnvVar = dict[str, Any]
-RUN_DIR = "/var/run/wanloom"
-GIB_DIR = "/usr/local/gib"
-GIB_NCCL_ENV_SCRIPT = f"{GIB_DIR}/scripts/set_nccl_env.sh"  # shipped with the plugin: NCCL_NET=gIB and its tuning
+GIB_NCCL_ENV_SCRIPT = f"{keys.GIB_DIR}/scripts/set_nccl_env.sh"  # shipped with the plugin: NCCL_NET=gIB and its tuning
 GIB_GPU_TYPES = ("h200", "b200")  # A3 Ultra and A4: RDMA NICs; A3 High (h100) is GPUDirect-TCPX, not set up here
 
 
@@ -54,7 +52,7 @@ def _wanloom_env(shape: PodShape, names: Names, job_name: str, metrics_port: int
         _value(keys.ENV_JOB_NAME, job_name),
         _field(keys.ENV_NAMESPACE, "metadata.namespace"),
         _value(keys.ENV_METRICS_PORT, str(metrics_port)),
-        _value(keys.ENV_RUN_DIR, RUN_DIR),
+        _value(keys.ENV_RUN_DIR, keys.RUN_DIR),
         _value(keys.ENV_COORDINATOR_ADDRESS, coordinator),
         num_slices,
         _label(keys.JOBSET_JOB_INDEX, keys.ENV_SLICE_INDEX),
@@ -103,7 +101,7 @@ def _nccl_env(settings: OperatorSettings) -> list[EnvVar]:
     if settings.gpu_nccl_profile == "gib":
         env += [
             _value("NCCL_NET", "gIB"),
-            _value("LD_LIBRARY_PATH", f"{GIB_DIR}/lib64:/usr/local/nvidia/lib64"),
+            _value("LD_LIBRARY_PATH", f"{keys.GIB_DIR}/lib64:/usr/local/nvidia/lib64"),
         ]
     return env
 

@@ -128,7 +128,7 @@ def _jobset_skeleton(
         image=trainer_image(job.spec, settings),
         command=command,
         args=args,
-        run_dir=env.RUN_DIR,
+        run_dir=keys.RUN_DIR,
     )
 
 
@@ -138,9 +138,6 @@ def _fill_pod(
     res = job.spec.resources
     spec, container = pod_spec(jobset), trainer_container(jobset)
     volumes, mounts = _operator_volumes(names, shape, settings)
-    errors = overrides.volume_errors(volumes, mounts, res)
-    if errors:
-        raise InvalidTrainingJob(tuple(errors), job.metadata.name)
     if _gib(shape, settings):
         gib_errors = tuple(_gib_errors(job, shape))
         if gib_errors:
@@ -198,17 +195,14 @@ def _operator_volumes(
     names: Names, shape: PodShape, settings: OperatorSettings
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The config mount, shared memory for data-loader workers and NCCL, and a scratch run directory."""
-    volumes = [
-        {"name": "wanloom-config", "configMap": {"name": names.configmap}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", **_shm_limit(shape)}},
-        {"name": "wanloom-run", "emptyDir": {}},
-    ]
-    mounts = [
-        {"name": "wanloom-config", "mountPath": keys.CONFIG_MOUNT_DIR, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "wanloom-run", "mountPath": env.RUN_DIR},
-    ]
-    if shape.accelerator == "gpu" and settings.gpu_nccl_profile == "gib":
-        volumes.append({"name": "gib", "hostPath": {"path": "/home/kubernetes/bin/gib"}})
-        mounts.append({"name": "gib", "mountPath": env.GIB_DIR})
+    sources: dict[str, dict[str, Any]] = {
+        "wanloom-config": {"configMap": {"name": names.configmap}},
+        "dshm": {"emptyDir": {"medium": "Memory", **_shm_limit(shape)}},
+        "wanloom-run": {"emptyDir": {}},
+    }
+    if _gib(shape, settings):
+        sources["gib"] = {"hostPath": {"path": "/home/kubernetes/bin/gib"}}
+    volumes = [{"name": name, **source} for name, source in sources.items()]
+    mounts = [{"name": name, "mountPath": keys.OPERATOR_VOLUMES[name]} for name in sources]
+    mounts[0]["readOnly"] = True  # the config
     return volumes, mounts

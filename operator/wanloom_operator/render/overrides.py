@@ -4,18 +4,16 @@
 - tolerations: the user's are appended; exact duplicates are dropped.
 - env: a user variable with a rendered name replaces it in place (keeping the order ``$(VAR)`` relies on); new
   names are appended.
-- volumes / volumeMounts: appended. The operator's own volumes and mount paths are reserved: reusing one, or
-  mounting a volume that does not exist, is an error naming the field (the Job would be rejected later, out of
-  sight).
+- volumes / volumeMounts: appended. The operator's own volume names and mount paths (``keys.OPERATOR_VOLUMES``)
+  are reserved, and a mount must name a declared volume: validation (and the CRD) refuse the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from wanloom_operator.api.trainingjob import ResourcesSpec
-from wanloom_operator.api.validation import FieldError
 
 
 def merge_node_selector(rendered: dict[str, str], user: dict[str, str]) -> dict[str, str]:
@@ -47,44 +45,5 @@ def merge_env(rendered: Sequence[dict[str, Any]], res: ResourcesSpec) -> list[di
 def merge_volumes(
     rendered: Sequence[dict[str, Any]], rendered_mounts: Sequence[dict[str, Any]], res: ResourcesSpec
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, volumeMounts) with the user's appended; :func:`volume_errors` checks them first."""
+    """(volumes, volumeMounts) with the user's appended (validation has checked names and paths)."""
     return [*rendered, *res.volumes], [*rendered_mounts, *res.volume_mounts]
-
-
-def volume_errors(
-    rendered: Sequence[dict[str, Any]], rendered_mounts: Sequence[dict[str, Any]], res: ResourcesSpec
-) -> list[FieldError]:
-    """Every problem with the user's volumes and mounts, each naming its field path."""
-    return list(_volume_errors(rendered, rendered_mounts, res))
-
-
-def _volume_errors(
-    rendered: Sequence[dict[str, Any]], rendered_mounts: Sequence[dict[str, Any]], res: ResourcesSpec
-) -> Iterator[FieldError]:
-    reserved_names = {v["name"] for v in rendered}
-    reserved_paths = {m["mountPath"] for m in rendered_mounts}
-    known = set(reserved_names)
-    for i, volume in enumerate(res.volumes):
-        name = volume.get("name")
-        path = f"spec.resources.volumes[{i}].name"
-        if not isinstance(name, str) or not name:
-            yield FieldError(path, "every volume needs a name")
-        elif name in reserved_names:
-            yield FieldError(
-                path, f"{name!r} is reserved by the operator (reserved: {', '.join(sorted(reserved_names))})"
-            )
-        elif name in known:
-            yield FieldError(path, f"duplicate volume name {name!r}")
-        else:
-            known.add(name)
-    for i, mount in enumerate(res.volume_mounts):
-        path = f"spec.resources.volumeMounts[{i}]"
-        name, mount_path = mount.get("name"), mount.get("mountPath")
-        if not isinstance(name, str) or not isinstance(mount_path, str):
-            yield FieldError(path, "a volumeMount needs name and mountPath")
-        elif name not in known - reserved_names:
-            yield FieldError(f"{path}.name", f"no volume named {name!r} in spec.resources.volumes")
-        elif mount_path.rstrip("/") in reserved_paths:
-            yield FieldError(
-                f"{path}.mountPath", f"{mount_path!r} is used by the operator ({', '.join(sorted(reserved_paths))})"
-            )

@@ -141,3 +141,14 @@ def test_load_file_errors_name_the_file(tmp_path: Path) -> None:
     assert "spec.model" in str(info.value)
     with pytest.raises(ValueError, match="cannot read"):
         load_trainingjob_file(tmp_path / "missing.yaml")
+
+
+VOLUME_CASES = yaml.safe_load((Path(__file__).parent / "volume_cases.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", VOLUME_CASES, ids=lambda c: str(c["error"]))
+def test_volume_rules_name_the_item(case: dict[str, object]) -> None:
+    doc = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+    doc["spec"]["resources"] |= {k: v for k, v in case.items() if k != "error"}
+    errors = validate_trainingjob(doc).errors
+    assert [e.path for e in errors] == ([case["error"]] if case["error"] else []), errors

@@ -95,6 +95,9 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
     spec, container = pod_spec(js), trainer_container(js)
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
+    # The operator's volumes are the ones the contract reserves, mounted where it says.
+    ours = {m["name"]: m["mountPath"] for m in container["volumeMounts"] if m["name"] in keys.OPERATOR_VOLUMES}
+    assert ours and ours == {name: keys.OPERATOR_VOLUMES[name] for name in ours}
     assert volumes[mounts[keys.CONFIG_MOUNT_DIR]]["configMap"]["name"] == cm["metadata"]["name"]
     shm = volumes[mounts["/dev/shm"]]["emptyDir"]
     assert shm["medium"] == "Memory"

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-
 from wanloom_operator.api import keys
 from wanloom_operator.api.trainingjob import TrainingJob
-from wanloom_operator.api.validation import InvalidTrainingJob
 from wanloom_operator.render.jobset import pod_spec, render_trainingjob, trainer_container
 from wanloom_operator.settings import OperatorSettings
 
@@ -48,31 +45,3 @@ def test_user_env_can_override_contract_values(
     job = make_job({"cpu": {}, "env": [{"name": keys.ENV_METRICS_PORT, "value": "9999"}]})
     env = trainer_container(render_trainingjob(job, settings).jobset)["env"]
     assert {"name": keys.ENV_METRICS_PORT, "value": "9999"} in env
-
-
-@pytest.mark.parametrize(
-    ("volumes", "mounts", "path"),
-    [
-        ([{"name": "dshm", "emptyDir": {}}], [], "spec.resources.volumes[0].name"),
-        ([{"emptyDir": {}}], [], "spec.resources.volumes[0].name"),
-        ([{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}], [], "spec.resources.volumes[1].name"),
-        ([], [{"name": "missing", "mountPath": "/x"}], "spec.resources.volumeMounts[0].name"),
-        (
-            [{"name": "a", "emptyDir": {}}],
-            [{"name": "a", "mountPath": "/etc/wanloom/"}],
-            "spec.resources.volumeMounts[0].mountPath",
-        ),
-        ([], [{"name": "wanloom-config", "mountPath": "/other"}], "spec.resources.volumeMounts[0].name"),
-    ],
-)
-def test_volume_clashes_name_the_field(
-    volumes: list[dict[str, object]],
-    mounts: list[dict[str, object]],
-    path: str,
-    make_job: Callable[..., TrainingJob],
-    settings: OperatorSettings,
-) -> None:
-    job = make_job({"cpu": {}, "volumes": volumes, "volumeMounts": mounts})
-    with pytest.raises(InvalidTrainingJob) as info:
-        render_trainingjob(job, settings)
-    assert [e.path for e in info.value.errors] == [path]
