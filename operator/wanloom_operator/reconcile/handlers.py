@@ -119,14 +119,20 @@ async def track(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, l
     """
     runtime: Runtime = memo.runtime
     tracked, interval = observe.Tracked(), runtime.settings.progress_interval_seconds
-    await stopped.wait(random.uniform(0.0, interval))
-    while not stopped:
-        try:
-            with runtime.metrics.handler("track"):
-                await observe.refresh(body, runtime, tracked, logger)
-        except ApiError as exc:
-            logger.warning(f"status refresh failed, retrying next interval: {exc}")
-        await stopped.wait(interval)  # returns at once on stop: no cancellation, no escalation
+    try:
+        await asyncio.sleep(random.uniform(0.0, interval))
+        while not stopped:
+            try:
+                with runtime.metrics.handler("track"):
+                    await observe.refresh(body, runtime, tracked, logger)
+            except ApiError as exc:
+                logger.warning(f"status refresh failed, retrying next interval: {exc}")
+            await asyncio.sleep(interval)
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+        # kopf stops a daemon (job finished or deleted, operator exiting) by setting its flag, then cancelling
+        # it: for the tracker, asleep between passes, that is the normal end, not an error to log.
 
 
 async def _reconcile(handler: str, body: kopf.Body, runtime: Runtime, retry: int) -> None:
