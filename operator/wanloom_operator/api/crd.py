@@ -39,6 +39,9 @@ def _type_args(annotation: Any) -> list[Any]:
     return [a for arg in args for a in _type_args(arg)]
 
 
+INTEGER_RULE = {"rule": "self == self", "message": "must be an integer (2, not 2.0)"}
+
+
 def _validations(rules: Any) -> list[dict[str, str]]:
     keys = ("rule", "message", "fieldPath")
     return [dict(zip(keys, rule, strict=False)) for rule in rules]
@@ -91,6 +94,11 @@ def _convert(node: Any, defs: dict[str, Any], models: dict[str, type[BaseModel]]
         out.pop("additionalProperties", None)
     if out.get("format") == "date-time":
         out["type"] = "string"
+    if out.get("type") == "integer":
+        # The schema alone admits 2.0 for an integer; a CEL rule reading the field refuses it (the value is not an
+        # int), so without this rule 2.0 passes or fails depending on which rules read the field. Validation
+        # refuses it, so does every integer field here.
+        out.setdefault("x-kubernetes-validations", []).append(INTEGER_RULE)
     return out
 
 

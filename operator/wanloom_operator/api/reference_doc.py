@@ -15,7 +15,10 @@ _INTRO = """# TrainingJob reference (`wanloom.dev/v1alpha1`)
 
 Generated from `wanloom_operator.api.trainingjob` by `wanloom docs > docs/trainingjob.md`; a test fails when it
 drifts. `wanloom validate FILE` runs every rule below plus the cross-field rules listed at the end, and reports
-each problem with its field path. Examples: `jobs/`.
+each problem with its field path; `kubectl apply` refuses the same manifests (the CRD carries the rules as CEL, and
+a test compares the two on generated broken manifests). The API server's semantics hold in both: camelCase keys
+only, no type coercion (`"200"` is not an integer, `2.0` neither), integers within int64, finite numbers, `key:
+null` the same as leaving the key out, Kubernetes name rules for `metadata`. Examples: `jobs/`.
 """
 
 _CROSS_FIELD = """## Cross-field rules

@@ -7,10 +7,11 @@ on the owning model (``cel_rules`` below) so the API server rejects them too.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from wanloom_operator.api import keys
@@ -73,14 +74,18 @@ Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Su
 
 # A dataset, weights or checkpoint location: gs://bucket[/prefix] or a path. The CEL rule mirrors
 # validation._check_uris so `kubectl apply` refuses what `wanloom validate` refuses.
+# Anything that starts like a URI scheme ("gs:/b", "s3://b") must be gs://bucket[...]; the rest is a path.
+URI_SCHEME_PATTERN = r"^[a-zA-Z][a-zA-Z0-9+.-]*:"
+GCS_URI_PATTERN = r"^gs://[^/]+"
+STORAGE_URI = "use gs://bucket/prefix or a path (no other scheme, and a bucket after gs://)"
 StorageURI = Annotated[
     str,
     Field(
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "!self.contains('://') || self.matches('^gs://[^/]+')",
-                    "message": "use gs://bucket/prefix or a path (no other scheme, and a bucket after gs://)",
+                    "rule": f"!self.matches('{URI_SCHEME_PATTERN}') || self.matches('{GCS_URI_PATTERN}')",
+                    "message": STORAGE_URI,
                 }
             ]
         }
@@ -142,15 +147,43 @@ def _cel_list(values: Any) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
+INT64_MAX = (1 << 63) - 1
+
+
 class _Model(BaseModel):
-    """Base: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+    """Base: camelCase on the wire (only), snake_case in Python, unknown fields rejected, and the API server's
+    types: no coercion (``"200"`` is not an integer, ``1`` not a boolean), integers within int64, finite floats."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True, frozen=True
+        alias_generator=to_camel,
+        validate_by_alias=True,
+        validate_by_name=False,
+        serialize_by_alias=False,
+        extra="forbid",
+        validate_default=True,
+        frozen=True,
+        strict=True,
+        allow_inf_nan=False,
     )
     # CEL rules emitted into the CRD: (rule, message) or (rule, message, fieldPath), the field path relative to
     # this object so the API server's error names the field (spec.routing.boundaryRatio), not the object.
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # The API server prunes `field: null` (none of these fields is nullable); an unknown key stays, and fails.
+        if not isinstance(data, dict):
+            return data
+        known = {field.alias or name for name, field in cls.model_fields.items()}
+        return {k: v for k, v in data.items() if not (v is None and k in known)}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_int64(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            raise ValueError(f"must fit in a 64-bit integer, as the API server stores it (got {value})")
+        return value
 
 
 class ModelSpec(_Model):
@@ -221,7 +254,22 @@ class DataSpec(_Model):
     )
 
 
+FRAMES_4K_PLUS_1 = "frames must be 4k+1 (1, 5, ..., 81) to match the VAE's temporal stride"
+MULTIPLE_OF_16 = "must be a multiple of 16 (VAE stride 8 x patch 2)"
+WARMUP_WITHIN_STEPS = "optimizer.warmupSteps must not exceed training.steps"
+SPLASH_NEEDS_TPU = "splash attention needs tpu resources"
+TORCH_ATTENTION = "sdpa and flash attention need the torch backend; use auto or xla for jax"
+XLA_ATTENTION = "xla attention needs the jax backend; use auto, sdpa or flash"
+# The backend the trainer runs (ResourcesSpec.resolved_backend), in CEL on the spec.
+_BACKEND_CEL = "(has(self.resources.backend) ? self.resources.backend : (has(self.resources.gpu) ? 'torch' : 'jax'))"
+
+
 class BucketSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("(self.frames - 1) % 4 == 0", FRAMES_4K_PLUS_1, ".frames"),
+        ("self.height % 16 == 0", MULTIPLE_OF_16, ".height"),
+        ("self.width % 16 == 0", MULTIPLE_OF_16, ".width"),
+    )
     frames: int = Field(ge=1, description="Pixel frames (1 for images).")
     height: int = Field(ge=16, description="Pixel height.")
     width: int = Field(ge=16, description="Pixel width.")
@@ -305,6 +353,11 @@ class OptimizerSpec(_Model):
     per_expert_lr_scaling: bool = Field(
         False, description="Scale each expert's learning rate by its expected share of steps."
     )
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_a_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value  # YAML and JSON have lists, not tuples
 
 
 class CheckpointSpec(_Model):
@@ -473,6 +526,14 @@ class ResourcesSpec(_Model):
 class TrainingJobSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
         (_parallelism_cel()[0], PARALLELISM_PRODUCT, ".parallelism"),
+        ("self.optimizer.warmupSteps <= self.training.steps", WARMUP_WITHIN_STEPS, ".optimizer.warmupSteps"),
+        ("self.kernels.attention != 'splash' || has(self.resources.tpu)", SPLASH_NEEDS_TPU, ".kernels.attention"),
+        (
+            f"!(self.kernels.attention in ['sdpa', 'flash']) || {_BACKEND_CEL} == 'torch'",
+            TORCH_ATTENTION,
+            ".kernels.attention",
+        ),
+        (f"self.kernels.attention != 'xla' || {_BACKEND_CEL} == 'jax'", XLA_ATTENTION, ".kernels.attention"),
         (_parallelism_cel()[1], GLOBAL_BATCH_PER_RANK, ".training.globalBatch"),
         (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
@@ -527,7 +588,13 @@ class TrainingJobSpec(_Model):
         return DEFAULT_BOUNDARY_RATIO[self.model.variant]
 
 
-class Condition(_Model):
+class _StatusModel(_Model):
+    """Status as the API stores it (times are RFC 3339 strings on the wire); written by the operator only."""
+
+    model_config = ConfigDict(**{**_Model.model_config, "strict": False})
+
+
+class Condition(_StatusModel):
     type: str
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
@@ -536,7 +603,7 @@ class Condition(_Model):
     observed_generation: int | None = None
 
 
-class ReplicatedJobStatus(_Model):
+class ReplicatedJobStatus(_StatusModel):
     name: str
     ready: int = 0
     succeeded: int = 0
@@ -545,7 +612,7 @@ class ReplicatedJobStatus(_Model):
     suspended: int = 0
 
 
-class Progress(_Model):
+class Progress(_StatusModel):
     step: int | None = Field(None, description="Last completed optimizer step.")
     total_steps: int | None = None
     step_time_seconds: float | None = Field(None, description="Latest step time (slowest rank).")
@@ -558,7 +625,7 @@ class Progress(_Model):
     updated_at: datetime | None = None
 
 
-class TrainingJobStatus(_Model):
+class TrainingJobStatus(_StatusModel):
     phase: Phase | None = Field(None, description="Lifecycle phase, derived from the JobSet.")
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes conditions, keyed by type.")
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
@@ -577,14 +644,35 @@ class TrainingJobStatus(_Model):
     message: str | None = Field(None, description="Human-readable summary of the latest problem, if any.")
 
 
-class ObjectMeta(_Model):
-    """The parts of metadata the API reads; everything else passes through untouched."""
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True)
-    name: str = Field(min_length=1, max_length=253)
-    namespace: str | None = None
+
+class ObjectMeta(_Model):
+    """The parts of metadata the API reads, with its name rules; everything else passes through untouched."""
+
+    model_config = ConfigDict(alias_generator=to_camel, extra="allow", frozen=True, strict=True)
+    name: str = Field(
+        max_length=253,
+        pattern=rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$",
+        description="A DNS-1123 subdomain: lowercase letters, digits, '-' and '.', starting and ending alphanumeric.",
+    )
+    namespace: str | None = Field(None, max_length=63, pattern=rf"^{_DNS_LABEL}$", description="A DNS-1123 label.")
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _label_rules(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            prefix, _, name = key.rpartition("/")
+            if len(name) > 63 or not _LABEL_NAME.match(name) or len(prefix) > 253:
+                raise ValueError(f"label key {key!r}: [prefix/]name, name <= 63 alphanumerics, '-', '_', '.'")
+            if prefix and not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", prefix):
+                raise ValueError(f"label key {key!r}: its prefix must be a DNS-1123 subdomain")
+            if value and (len(value) > 63 or not _LABEL_NAME.match(value)):
+                raise ValueError(f"label {key!r} value {value!r}: <= 63 alphanumerics, '-', '_', '.', or empty")
+        return labels
 
 
 class TrainingJob(_Model):

@@ -8,6 +8,7 @@ types are right. The CLI, the operator and the tests all call :func:`validate_tr
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,19 +23,26 @@ from wanloom_operator.api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
+    FRAMES_4K_PLUS_1,
+    GCS_URI_PATTERN,
     GLOBAL_BATCH_PER_RANK,
     GPU_NEEDS_TORCH,
     MOUNT_NEEDS_NAME_AND_PATH,
     MOUNT_OF_NO_VOLUME,
+    MULTIPLE_OF_16,
     PARALLELISM_PRODUCT,
     RESERVED_MOUNT_PATH,
     RESERVED_VOLUME,
+    SPLASH_NEEDS_TPU,
+    STORAGE_URI,
+    TORCH_ATTENTION,
+    URI_SCHEME_PATTERN,
     VOLUME_NEEDS_NAME,
+    WARMUP_WITHIN_STEPS,
+    XLA_ATTENTION,
     TrainingJob,
     TrainingJobSpec,
 )
-
-_URI_SCHEMES = ("gs://",)
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,13 @@ def validate_file(path: str | Path) -> list[Validated]:
     """Validate every YAML document of a file (empty documents are ignored)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         return [Validated(None, (FieldError("<file>", f"cannot read {path}: {exc.strerror}"),))]
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1]
+        message = f"{path} is not UTF-8 text (byte {exc.start} is {bad!r}); save it as UTF-8 YAML"
+        return [Validated(None, (FieldError("<file>", message),))]
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
@@ -268,11 +280,11 @@ def _check_volumes(spec: TrainingJobSpec) -> Iterator[FieldError]:
 def _check_kernels(spec: TrainingJobSpec) -> Iterator[FieldError]:
     attention, backend, accel = spec.kernels.attention, spec.resources.resolved_backend, spec.resources.accelerator
     if attention == "splash" and accel != "tpu":
-        yield FieldError("spec.kernels.attention", f"splash attention needs tpu resources (got {accel})")
+        yield FieldError("spec.kernels.attention", f"{SPLASH_NEEDS_TPU} (got {accel})")
     if attention in ("sdpa", "flash") and backend != "torch":
-        yield FieldError("spec.kernels.attention", f"{attention} needs the torch backend; use auto or xla for jax")
+        yield FieldError("spec.kernels.attention", f"{TORCH_ATTENTION} (got {attention} on {backend})")
     if attention == "xla" and backend != "jax":
-        yield FieldError("spec.kernels.attention", "xla attention needs the jax backend; use auto, sdpa or flash")
+        yield FieldError("spec.kernels.attention", f"{XLA_ATTENTION} (got the {backend} backend)")
 
 
 def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
@@ -286,30 +298,27 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
     for path, uri in uris.items():
         if uri is None:
             continue
-        scheme, sep, rest = uri.partition("://")
-        if sep and f"{scheme}://" not in _URI_SCHEMES:
-            yield FieldError(path, f"unsupported scheme {scheme!r} in {uri!r}; use gs://bucket/prefix or a path")
-        elif sep and not rest.split("/")[0]:
-            yield FieldError(path, f"{uri!r} names no bucket; use gs://bucket/prefix")
+        if re.match(URI_SCHEME_PATTERN, uri) and not re.match(GCS_URI_PATTERN, uri):
+            yield FieldError(path, f"{STORAGE_URI} (got {uri!r})")
 
 
 def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
     if spec.optimizer.warmup_steps > spec.training.steps:
         yield FieldError(
             "spec.optimizer.warmupSteps",
-            f"{spec.optimizer.warmup_steps} exceeds training.steps ({spec.training.steps})",
+            f"{WARMUP_WITHIN_STEPS} ({spec.optimizer.warmup_steps} > {spec.training.steps})",
         )
     for i, bucket in enumerate(spec.adaptive_load.buckets or ()):
         if (bucket.frames - 1) % 4:
             yield FieldError(
                 f"spec.adaptiveLoad.buckets[{i}].frames",
-                f"frames must be 4k+1 (1, 5, ..., 81) to match the VAE's temporal stride (got {bucket.frames})",
+                f"{FRAMES_4K_PLUS_1} (got {bucket.frames})",
             )
         for name in ("height", "width"):
             if getattr(bucket, name) % 16:
                 yield FieldError(
                     f"spec.adaptiveLoad.buckets[{i}].{name}",
-                    f"must be a multiple of 16 (VAE stride 8 x patch 2) (got {getattr(bucket, name)})",
+                    f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})",
                 )
 
 
