@@ -115,7 +115,7 @@ def validate_file(path: str | Path) -> list[Validated]:
         message = f"{path} is not UTF-8 text (byte {exc.start} is {bad!r}); save it as UTF-8 YAML"
         return [Validated(None, (FieldError("<file>", message),))]
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -123,6 +123,21 @@ def validate_file(path: str | Path) -> list[Validated]:
     if not docs:
         return [Validated(None, (FieldError("<file>", "holds no YAML document"),))]
     return [validate_trainingjob(d) for d in docs]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as the API server reads it: a key given twice in one mapping is an error, not "the last one wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"key {key!r} appears twice", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 def _loc_to_path(loc: tuple[int | str, ...]) -> str:

@@ -30,8 +30,9 @@ def validate(files: Annotated[list[Path], typer.Argument(help="TrainingJob YAML 
     """Validate TrainingJob manifests; print every error with its field path and exit 1 if any."""
     failed = False
     for path in files:
-        for i, result in enumerate(validate_file(path)):
-            where = f"{path}" if i == 0 else f"{path} (document {i + 1})"
+        results = validate_file(path)
+        for i, result in enumerate(results):
+            where = f"{path} (document {i + 1})" if len(results) > 1 else f"{path}"
             if result.job is not None:
                 typer.echo(f"{where}: ok ({result.job.metadata.name}, {result.job.spec.model.variant})")
                 continue

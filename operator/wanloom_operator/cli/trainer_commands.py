@@ -5,6 +5,8 @@ The trainer (jax/torch) is imported inside the commands, so the rest of the CLI 
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -47,6 +49,8 @@ def run(
         raise typer.Exit(launch.run_processes(job, processes, run_dir=where, metrics_port=port))
     if port:
         typer.echo(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    _log_to_terminal()
+    started = time.monotonic()
     try:
         result = launch.run_in_process(job, run_dir=where, metrics_port=port, progress=progress)
     except _user_errors() as exc:
@@ -54,7 +58,7 @@ def run(
             raise
         typer.echo(f"wanloom run: {_explain(exc)} (--debug shows the traceback)", err=True)
         raise typer.Exit(1) from None
-    _summary(result, where)
+    _summary(result, where, job.spec.training.checkpoint.uri, time.monotonic() - started)
     if getattr(result, "stopped_by", None):
         # 128 + SIGTERM, as if the signal had ended the process: a pod stopped this way is not "Succeeded".
         typer.echo(f"stopped by {result.stopped_by} at step {result.next_step}; run the same command to resume")
@@ -86,7 +90,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _summary(result: object, run_dir: str) -> None:
+def _log_to_terminal() -> None:
+    """The trainer's own messages (resuming from a checkpoint, checkpoints committed) on stderr, once."""
+    logger = logging.getLogger("wanloom_trainer")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: float) -> None:
     records = getattr(result, "records", [])
     if not records:
         typer.echo(
@@ -95,10 +110,19 @@ def _summary(result: object, run_dir: str) -> None:
         )
     if records:
         first, last = records[0], records[-1]
+        busy = sum(r.step_time_s for r in records)
+        mfus = [r.mfu for r in records if r.mfu is not None]
+        mfu = f"MFU {sum(mfus) / len(mfus):.1%}" if mfus else "MFU n/a (no stated peak for this device)"
+        skipped = sum(int(r.extra.get("skipped_samples", 0)) for r in records)
         typer.echo(f"steps {first.step}..{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}")
+        typer.echo(
+            f"{len(records)} steps in {wall_s:.1f} s wall: mean step {busy / len(records) * 1e3:.0f} ms, "
+            f"{sum(r.tokens for r in records) / busy if busy else 0:,.0f} tokens/s, {mfu}, "
+            f"{skipped} samples skipped"
+        )
     checkpoints = getattr(result, "checkpoints", [])
     if checkpoints:
-        typer.echo(f"checkpoints at steps {', '.join(map(str, checkpoints))}")
+        typer.echo(f"checkpoints at steps {', '.join(map(str, checkpoints))} in {checkpoint_uri}")
     plot = getattr(result, "plot", None)
     typer.echo(f"step log: {run_dir}/steps.jsonl" + (f"; loss curve: {plot}" if plot else ""))
 

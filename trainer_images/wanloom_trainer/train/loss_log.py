@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-EXPERT_NAMES = ("high_noise", "low_noise")
+from wanloom_operator.api.metrics import EXPERT_LABELS
+
+_PER_EXPERT = ("expert_loss", "expert_samples", "grad_norm", "learning_rate")
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,17 @@ class StepLog:
         return self.model_flops / self.step_time_s / 1e12 if self.step_time_s > 0 else 0.0
 
     def to_json(self) -> str:
+        """Experts by the names the metrics use (``high_noise``, ``low_noise``), not by routing's ids."""
         doc = asdict(self)
-        for key in ("expert_loss", "expert_samples", "grad_norm", "learning_rate"):
-            doc[key] = {str(k): v for k, v in doc[key].items()}
+        for key in _PER_EXPERT:
+            doc[key] = {EXPERT_LABELS[k]: v for k, v in doc[key].items()}
         return json.dumps(doc, sort_keys=True)
 
     @classmethod
     def from_json(cls, line: str) -> StepLog:
         doc = json.loads(line)
-        for key in ("expert_loss", "expert_samples", "grad_norm", "learning_rate"):
-            doc[key] = {int(k): v for k, v in doc[key].items()}
+        for key in _PER_EXPERT:
+            doc[key] = {EXPERT_LABELS.index(k): v for k, v in doc[key].items()}
         return cls(**doc)
 
 
@@ -89,11 +92,11 @@ def plot_losses(records: Sequence[StepLog], path: str | Path, title: str) -> Pat
     steps = [r.step for r in records]
     ax.plot(steps, [r.loss for r in records], color="0.75", lw=0.8, label="step loss")
     ax.plot(steps, _moving_average([r.loss for r in records]), color="black", lw=1.6, label="step loss (avg)")
-    for expert, color in zip(range(len(EXPERT_NAMES)), ("tab:red", "tab:blue"), strict=True):
+    for expert, color in zip(range(len(EXPERT_LABELS)), ("tab:red", "tab:blue"), strict=True):
         points = [(r.step, r.expert_loss[expert]) for r in records if expert in r.expert_loss]
         if points:
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, _moving_average(list(ys)), color=color, lw=1.2, label=f"{EXPERT_NAMES[expert]} (avg)")
+            ax.plot(xs, _moving_average(list(ys)), color=color, lw=1.2, label=f"{EXPERT_LABELS[expert]} (avg)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("flow-matching loss")
@@ -118,4 +121,4 @@ def _moving_average(values: list[float], window: int = 10) -> list[float]:
 
 
 def expert_names(d: Mapping[int, Any]) -> dict[str, Any]:
-    return {EXPERT_NAMES[k]: v for k, v in d.items()}
+    return {EXPERT_LABELS[k]: v for k, v in d.items()}

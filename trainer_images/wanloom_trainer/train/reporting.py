@@ -124,12 +124,22 @@ class Reporter:
 
 
 def progress_text(record: StepLog) -> str:
-    experts = " ".join(f"{_SHORT.get(e, e)} {v:.4f}" for e, v in sorted(record.expert_loss.items()))
-    mfu = f"{record.mfu:.1%}" if record.mfu is not None else "n/a"
+    """One step in fixed-width fields (the bar does not jump as numbers grow), large rates with SI prefixes."""
+    experts = " ".join(f"{_SHORT.get(e, e)} {v:7.4f}" for e, v in sorted(record.expert_loss.items()))
+    mfu = f"{record.mfu:6.1%}" if record.mfu is not None else "   n/a"
     return (
-        f"loss {record.loss:.4f} ({experts}) | {record.step_time_s * 1e3:.0f} ms/step | "
-        f"{record.tokens_per_s:,.0f} tok/s | {record.tflops_per_s:.3g} TFLOP/s | MFU {mfu}"
+        f"loss {record.loss:7.4f} ({experts}) | {_si(record.step_time_s, 's')}/step | "
+        f"{_si(record.tokens_per_s, 'tok/s')} | {_si(record.tflops_per_s * 1e12, 'FLOP/s')} | MFU {mfu}"
     )
+
+
+def _si(value: float, unit: str) -> str:
+    """``value`` in 3 significant digits with an SI prefix, always 6 characters before the unit: ' 12.3 k'."""
+    prefixes = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "u"))
+    scale, prefix = next(((s, p) for s, p in prefixes if abs(value) >= s), (1e-6, "u"))
+    scaled = value / scale
+    digits = 0 if abs(scaled) >= 100 else 1 if abs(scaled) >= 10 else 2
+    return f"{scaled:5.{digits}f} {prefix}{unit}" if value else f"{0:5.2f} {unit}"
 
 
 def start_exporter(config: TrainConfig, process_index: int) -> Any:
