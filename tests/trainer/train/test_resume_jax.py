@@ -43,9 +43,12 @@ def test_sigkilled_wanloom_run_resumes_to_the_same_losses(tiny: Any, tmp_path: P
 
     def start(name: str) -> subprocess.Popen:
         args = ["run", str(runs[name]), "--metrics-port", "0", "--no-progress"]
-        return subprocess.Popen([sys.executable, "-c", code, *args], cwd=tmp_path / name, env=env)
+        return subprocess.Popen([sys.executable, "-c", code, *args], cwd=tmp_path / name, env=env,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
 
-    assert start("whole").wait(timeout=600) == 0
+    whole_run = start("whole")
+    whole_run.communicate(timeout=600)
+    assert whole_run.returncode == 0
     victim = start("killed")
     checkpoint = tmp_path / "killed" / "checkpoints" / "4"
     deadline = time.monotonic() + 600
@@ -54,7 +57,10 @@ def test_sigkilled_wanloom_run_resumes_to_the_same_losses(tiny: Any, tmp_path: P
     victim.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL  # killed mid-run, not finished
     assert not (tmp_path / "killed" / "checkpoints" / "16").exists()
-    assert start("killed").wait(timeout=600) == 0
+    again = start("killed")
+    _, messages = again.communicate(timeout=600)
+    assert again.returncode == 0, messages
+    assert "resuming from the checkpoint of step " in messages, messages  # the user is told
 
     whole = read_log(tmp_path / "whole" / "runs" / "tiny-local" / "steps.jsonl")
     resumed = read_log(tmp_path / "killed" / "runs" / "tiny-local" / "steps.jsonl")

@@ -3,6 +3,7 @@ loss plot and live Prometheus metrics, exactly as a user runs it (a fresh proces
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -58,3 +59,8 @@ def test_tiny_local_run_trains_checkpoints_plots_and_serves_metrics(tmp_path: Pa
     assert checkpoints == [50, 80]
     assert 'wanloom_step{trainingjob="tiny-local"}' in seen and "wanloom_loss{" in seen, seen[:2000]
     assert f"steps 0..{STEPS - 1}: loss" in out
+    # The summary a user reads, and the step log naming experts as the metrics do.
+    assert f"{STEPS} steps in " in out and " tokens/s, MFU " in out and "0 samples skipped" in out, out
+    assert "checkpoints at steps 50, 80 in runs/tiny-local/checkpoints" in out, out
+    raw = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[0])
+    assert set(raw["expert_samples"]) <= {"high_noise", "low_noise"} and raw["expert_samples"], raw

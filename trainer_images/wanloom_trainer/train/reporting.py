@@ -134,12 +134,13 @@ def progress_text(record: StepLog) -> str:
 
 
 def _si(value: float, unit: str) -> str:
-    """``value`` in 3 significant digits with an SI prefix, always 6 characters before the unit: ' 12.3 k'."""
+    """``value`` in 3 significant digits with an SI prefix, in a fixed width: ' 12.3 ms', '  1.50 s'."""
     prefixes = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "u"))
     scale, prefix = next(((s, p) for s, p in prefixes if abs(value) >= s), (1e-6, "u"))
     scaled = value / scale
     digits = 0 if abs(scaled) >= 100 else 1 if abs(scaled) >= 10 else 2
-    return f"{scaled:5.{digits}f} {prefix}{unit}" if value else f"{0:5.2f} {unit}"
+    width = 5 if prefix else 6  # the number takes the prefix's column when there is none
+    return f"{scaled:{width}.{digits}f} {prefix}{unit}" if value else f"{0:6.2f} {unit}"
 
 
 def start_exporter(config: TrainConfig, process_index: int) -> Any:
