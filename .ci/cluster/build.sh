@@ -86,14 +86,19 @@ build_module() {
   echo "$bin"
 }
 
+# Where the throwaway module DIR_NAME has MODULE's source: CRDs and webhook rules ship inside the module, so the
+# cluster serves the version the controller was built from.
+#   module_source DIR_NAME MODULE
+module_source() {
+  (cd "$CACHE/src/$1" && go list -m -f '{{.Dir}}' "$2")
+}
+
 build_jobset() {
   local bin
   bin="$(build_module "jobset-$JOBSET_VERSION" sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset jobset-controller)"
   if [ ! -f "$bin/jobset-webhooks.yaml" ]; then
-    # The CRD and webhook rules ship inside the module: the cluster serves the version the controller was built
-    # from.
     local dir
-    dir="$(cd "$CACHE/src/jobset-$JOBSET_VERSION" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
+    dir="$(module_source "jobset-$JOBSET_VERSION" sigs.k8s.io/jobset)"
     cp "$dir/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$bin/jobset-crd.yaml"
     cp "$dir/config/components/webhook/manifests.yaml" "$bin/jobset-webhooks.yaml"
   fi
@@ -109,7 +114,7 @@ build_kueue() {
   bin="$(build_module "kueue-$KUEUE_VERSION" sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue kueue)"
   if [ ! -d "$bin/crds" ]; then
     local dir
-    dir="$(cd "$CACHE/src/kueue-$KUEUE_VERSION" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+    dir="$(module_source "kueue-$KUEUE_VERSION" sigs.k8s.io/kueue)"
     mkdir -p "$bin/crds.tmp"
     cp "$dir"/config/components/crd/bases/*.yaml "$bin/crds.tmp/"
     cp "$dir/config/components/webhook/manifests.yaml" "$bin/kueue-webhooks.yaml"
