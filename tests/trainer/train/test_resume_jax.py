@@ -47,8 +47,8 @@ def test_sigkilled_wanloom_run_resumes_to_the_same_losses(tiny: Any, tmp_path: P
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     whole_run = start("whole")
-    whole_run.communicate(timeout=600)
-    assert whole_run.returncode == 0
+    _, whole_messages = whole_run.communicate(timeout=600)
+    assert whole_run.returncode == 0, whole_messages
     victim = start("killed")
     checkpoint = tmp_path / "killed" / "checkpoints" / "4"
     deadline = time.monotonic() + 600
