@@ -95,6 +95,41 @@ def test_result_does_not_depend_on_block_rows(block_rows: int) -> None:
     assert all(_close(g, w, "f32") <= 1e-5 for g, w in zip(got, want, strict=True))
 
 
+def _segment_inputs(b: int, n: int, d: int, segments: int, dtype: str, seed: int = 0):
+    """Packed rows: sorted random ids (some segments empty, some rows starting past id 0), modulation [B, S, D]."""
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(np.sort(rng.integers(1, segments, (b, n)), axis=1), jnp.int32)
+    x, _, _, dy = _inputs(b, n, d, "sample", dtype, seed=seed)
+    scale = jnp.asarray(0.3 * rng.standard_normal((b, segments, d)), jnp.float32)
+    shift = jnp.asarray(rng.standard_normal((b, segments, d)), jnp.float32)
+    return x, scale, shift, dy, ids
+
+
+@pytest.mark.parametrize(
+    ("b", "n", "d", "segments", "dtype", "block_rows"),
+    [(2, 300, 96, 4, "f32", None), (1, 1000, 256, 7, "bf16", 128), (2, 129, 5120, 3, "f32", None)],
+)
+def test_packed_segments_match_reference(b: int, n: int, d: int, segments: int, dtype: str, block_rows) -> None:
+    """Per-segment modulation gathered by one-hot products, per-segment d_scale/d_shift accumulated across blocks
+    (segments straddle blocks; N not a multiple of tn; an id never used gets exact zeros)."""
+    x, scale, shift, dy, ids = _segment_inputs(b, n, d, segments, dtype)
+    got = _run(lambda *a: adaln_pallas(*a, block_rows=block_rows, segment_ids=ids), x, scale, shift, dy)
+    want = _run(lambda *a: adaln_reference_jax(*a, segment_ids=ids), x, scale, shift, dy)
+    for name, g, w in zip(("y", "dx", "d_scale", "d_shift"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert _close(g, w, dtype) <= TOL[dtype], f"{name}: error {_close(g, w, dtype):.2e}"
+    assert not np.asarray(got[2][:, 0]).any()  # segment 0 holds no token: its gradient is exactly 0
+
+
+def test_one_segment_per_row_equals_per_sample_modulation() -> None:
+    x, scale, shift, dy = _inputs(3, 200, 128, "sample", "f32")
+    ids = jnp.zeros((3, 200), jnp.int32)
+    packed = _run(lambda x, s, h: adaln_pallas(x, s[:, None], h[:, None], segment_ids=ids), x, scale, shift, dy)
+    plain = _run(adaln_pallas, x, scale, shift, dy)
+    for g, w in zip(packed, plain, strict=True):
+        assert _close(g, w, "f32") <= 1e-6
+
+
 def test_jit_grad_and_input_dtypes() -> None:
     x, scale, shift, dy = _inputs(2, 17, 96, "sample", "bf16", mod_dtype=jnp.float32)
     shift = shift.astype(jnp.bfloat16)
@@ -126,6 +161,10 @@ def test_bad_input_raises_naming_it() -> None:
         adaln_pallas(x, scale, shift, block_rows=8)
     with pytest.raises(ValueError, match="eps must be > 0"):
         adaln_pallas(x, scale, shift, eps=0.0)
+    with pytest.raises(ValueError, match=r"with segment_ids, scale/shift must be per segment \[3, S, 96\]"):
+        adaln_pallas(x, scale, shift, segment_ids=jnp.zeros((3, 17), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids must be int32 or int64, got float32"):
+        adaln_pallas(x, scale[:, None], shift[:, None], segment_ids=jnp.zeros((3, 17), jnp.float32))
 
 
 def test_interpret_defaults_to_true_off_tpu() -> None:
