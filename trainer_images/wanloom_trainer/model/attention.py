@@ -1,12 +1,14 @@
 """Attention of the Wan transformer: the module (diffusers ``WanAttention``) and the swappable attention core.
 
-The core is any ``AttentionFn``: ``(q_bsnh, k_bknh, v_bknh) -> out_bsnh`` with no mask (Wan attends to every
-video token and every text token, padding included) and softmax scale 1/sqrt(head_dim). Two are built in:
+The core is any ``AttentionFn``: ``(q_bsnh, k_bknh, v_bknh, segments=None) -> out_bsnh`` with softmax scale
+1/sqrt(head_dim). Without ``segments`` there is no mask (Wan attends to every video token and every text token,
+padding included); with ``segments`` (packed rows, ``segment_attention.Segments``) attention is block-diagonal.
+Two are built in:
 
 - ``xla_attention``: ``jax.nn.dot_product_attention`` (logits and softmax in fp32); runs anywhere.
-- ``splash_attention``: the Pallas TPU splash kernel. It is a single-device kernel: under a mesh, wrap it in
-  ``shard_map`` over the batch/head axes (or a ring for context parallelism) and pass the wrapper to
-  ``WanTransformer3DModel.set_attention_fn``.
+- ``splash_attention``: the Pallas TPU splash kernel (packed rows: ``segment_attention.splash_segment_attention``).
+  It is a single-device kernel: under a mesh, wrap it in ``shard_map`` over the batch/head axes (or a ring for
+  context parallelism) and pass the wrapper to ``WanTransformer3DModel.set_attention_fn``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,21 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from wanloom_trainer.model.rope import apply_rope
+from wanloom_trainer.model.segment_attention import Segments, splash_segment_attention, xla_segment_attention
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+AttentionFn = Callable[..., jax.Array]  # (q_bsnh, k_bknh, v_bknh, segments: Segments | None = None) -> out_bsnh
 FP32 = jnp.float32
 # Remat policies refer to these names (wan_nnx.REMAT_POLICIES).
 SELF_ATTN_TAG = "attn_output"
 CROSS_ATTN_TAG = "cross_attn_output"
 
 
-def xla_attention(q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array) -> jax.Array:
-    """Unmasked softmax attention [B, S, N, H] × [B, K, N, H] → [B, S, N, H] through XLA."""
+def xla_attention(
+    q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array, segments: Segments | None = None
+) -> jax.Array:
+    """Softmax attention [B, S, N, H] × [B, K, N, H] → [B, S, N, H] through XLA; block-diagonal with ``segments``."""
+    if segments is not None:
+        return xla_segment_attention(q_bsnh, k_bknh, v_bknh, segments)
     return jax.nn.dot_product_attention(q_bsnh, k_bknh, v_bknh, implementation="xla")
 
 
@@ -63,12 +70,13 @@ def splash_attention(
     q_bsnh: jax.Array,
     k_bknh: jax.Array,
     v_bknh: jax.Array,
+    segments: Segments | None = None,
     *,
     block_q: int = 512,
     block_kv: int = 512,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Unmasked attention through the Pallas TPU splash kernel.
+    """Attention through the Pallas TPU splash kernel: unmasked, or block-diagonal with ``segments``.
 
     ``interpret`` None runs the kernel natively on TPU and in the Pallas interpreter elsewhere (slow; for tests).
 
@@ -76,6 +84,10 @@ def splash_attention(
     see them, and padded queries (sliced off afterwards) attend to the real keys so no row is fully masked
     (a fully masked row would put NaNs into the backward pass).
     """
+    if segments is not None:
+        return splash_segment_attention(
+            q_bsnh, k_bknh, v_bknh, segments, block_q=block_q, block_kv=block_kv, interpret=interpret
+        )
     _, q_len, heads, head_dim = q_bsnh.shape
     kv_len = k_bknh.shape[1]
     bq = min(block_q, _round_up(q_len, 128))
@@ -148,10 +160,12 @@ class WanAttention(nnx.Module):
         x_bsd: jax.Array,
         context_bkd: jax.Array | None = None,
         rope: tuple[jax.Array, jax.Array] | None = None,
+        segments: Segments | None = None,
     ) -> jax.Array:
         """Attend from ``x_bsd`` [B, S, D] to itself or to ``context_bkd`` [B, K, D]; returns [B, S, D].
 
-        ``rope``: (cos, sin) tables [S, head_dim // 2] applied to queries and keys (self-attention only).
+        ``rope``: (cos, sin) tables [S, head_dim // 2] (or per row [B, S, head_dim // 2]) applied to queries and
+        keys (self-attention only). ``segments``: packed rows, attention stays within each segment.
         """
         source = x_bsd if context_bkd is None else context_bkd
         q = _rms_norm(self.norm_q, self.to_q(x_bsd))
@@ -159,7 +173,8 @@ class WanAttention(nnx.Module):
         q, k, v = self._heads(q), self._heads(k), self._heads(self.to_v(source))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = checkpoint_name(self.attention_fn(q, k, v), self.checkpoint_tag)
+        out = self.attention_fn(q, k, v) if segments is None else self.attention_fn(q, k, v, segments)
+        out = checkpoint_name(out, self.checkpoint_tag)
         return self.to_out[0](out.reshape(*x_bsd.shape[:2], -1))
 
 

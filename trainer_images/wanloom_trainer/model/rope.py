@@ -60,19 +60,41 @@ def rope_cos_sin(grid_thw: tuple[int, int, int], head_dim: int, max_seq_len: int
     return cos.reshape(tokens, head_dim // 2), sin.reshape(tokens, head_dim // 2)
 
 
+def rope_cos_sin_at(positions_bs3: jnp.ndarray, head_dim: int, max_seq_len: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Rotation tables for tokens at explicit (t, h, w) grid positions: packed rows, where every segment's grid
+    starts at 0 (docs/architecture.md, "Packed sequences"). Token (t, h, w) gets the same angles as in
+    ``rope_cos_sin`` of its own grid.
+
+    Args:
+        positions_bs3: int [B, S, 3] positions inside each token's own segment, each < ``max_seq_len``.
+
+    Returns:
+        (cos, sin), each float32 [B, S, head_dim // 2].
+    """
+    cos, sin = [], []
+    for axis, dim in enumerate(rope_axis_dims(head_dim)):
+        angles = _axis_angles(dim, max_seq_len)
+        table_cos, table_sin = (jnp.asarray(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+        index = positions_bs3[..., axis]
+        cos.append(table_cos[index])
+        sin.append(table_sin[index])
+    return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
 def apply_rope(x_bsnh: jnp.ndarray, cos_sh: jnp.ndarray, sin_sh: jnp.ndarray) -> jnp.ndarray:
     """Rotate interleaved channel pairs of queries or keys.
 
     Args:
         x_bsnh: [B, S, N, head_dim] queries or keys.
-        cos_sh, sin_sh: [S, head_dim // 2] tables from ``rope_cos_sin``.
+        cos_sh, sin_sh: [S, head_dim // 2] tables from ``rope_cos_sin``, or per row [B, S, head_dim // 2]
+            (``rope_cos_sin_at``).
 
     Returns:
         [B, S, N, head_dim] in the dtype of ``x_bsnh``; the rotation itself runs in float32.
     """
     pairs = x_bsnh.astype(jnp.float32).reshape(*x_bsnh.shape[:-1], -1, 2)
     x1, x2 = pairs[..., 0], pairs[..., 1]
-    cos = cos_sh[None, :, None, :]
-    sin = sin_sh[None, :, None, :]
+    cos = cos_sh[..., None, :] if cos_sh.ndim == 3 else cos_sh[None, :, None, :]
+    sin = sin_sh[..., None, :] if sin_sh.ndim == 3 else sin_sh[None, :, None, :]
     rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return rotated.reshape(x_bsnh.shape).astype(x_bsnh.dtype)

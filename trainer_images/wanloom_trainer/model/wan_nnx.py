@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ from wanloom_trainer.model.attention import (
 )
 from wanloom_trainer.model.embeddings import WanTimeTextEmbedding
 from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
-from wanloom_trainer.model.rope import rope_cos_sin
+from wanloom_trainer.model.rope import rope_cos_sin, rope_cos_sin_at
+from wanloom_trainer.model.segment_attention import Segments
 
 FP32 = jnp.float32
 # Named jax.checkpoint policies for nnx.remat around each block. "save_attn" keeps the attention-core outputs
@@ -43,12 +45,45 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 
-def _modulated_layer_norm(x: jax.Array, scale: jax.Array, shift: jax.Array, *, eps: float, impl: str) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Packing:
+    """How a packed micro-batch is laid out (docs/architecture.md, "Packed sequences").
+
+    Attributes:
+        segment_ids: int32 [B, N] segment of each token; None when modulation is per token (TI2V), which needs no
+            segment lookup in the AdaLN kernels.
+        self_attention: ids for block-diagonal self-attention.
+        cross_attention: ids pairing each token with its own segment's text tokens.
+    """
+
+    segment_ids: jax.Array | None
+    self_attention: Segments
+    cross_attention: Segments
+
+
+def _per_token(rows_bsd: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Per-segment rows [B, S, D] → per token [B, N, D] (unchanged without segment ids)."""
+    if segment_ids is None:
+        return rows_bsd
+    return jnp.take_along_axis(rows_bsd, segment_ids[..., None].astype(jnp.int32), axis=1)
+
+
+def _modulated_layer_norm(
+    x: jax.Array,
+    scale: jax.Array,
+    shift: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    eps: float,
+    impl: str,
+) -> jax.Array:
     """``LayerNorm(x) · (1 + scale) + shift`` with no affine LayerNorm parameters (AdaLN).
 
     Args:
         x: [B, S, D] residual stream (any float dtype).
-        scale, shift: float32 [B, 1, D] (one timestep per sample) or [B, S, D] (per-token timesteps).
+        scale, shift: float32 [B, 1, D] (one timestep per sample), [B, S, D] (per-token timesteps), or per segment
+            [B, K, D] with ``segment_ids`` [B, S] (packed rows).
         impl: "reference" (plain jnp, float32 inside) or "fused" (``wanloom_trainer.kernels.adaln_jax``).
 
     Returns:
@@ -57,7 +92,8 @@ def _modulated_layer_norm(x: jax.Array, scale: jax.Array, shift: jax.Array, *, e
     if impl == "fused":
         from wanloom_trainer.kernels import adaln_jax  # lazy: the kernels pull in Pallas
 
-        return adaln_jax(x, scale, shift, eps=eps, impl=impl)
+        return adaln_jax(x, scale, shift, eps=eps, impl=impl, segment_ids=segment_ids)
+    scale, shift = _per_token(scale, segment_ids), _per_token(shift, segment_ids)
     xf = x.astype(FP32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
@@ -136,27 +172,36 @@ class WanTransformerBlock(nnx.Module):
         context_bkd: jax.Array,
         timestep_proj: jax.Array,
         rope: tuple[jax.Array, jax.Array],
+        packing: Packing | None = None,
     ) -> jax.Array:
-        """Args: x_bsd [B, S, D]; context_bkd [B, K, D]; timestep_proj f32 [B, 1|S, 6, D]; rope (cos, sin).
+        """Args: x_bsd [B, S, D]; context_bkd [B, K, D]; timestep_proj f32 [B, 1|S, 6, D] (packed rows: per
+        segment [B, G, 6, D] with ``packing.segment_ids``); rope (cos, sin); packing: packed rows or None.
 
         Returns [B, S, D] in the residual dtype.
         """
         mod = self.scale_shift_table[...] + timestep_proj
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
         modulate = self.adaln_fn or functools.partial(_modulated_layer_norm, eps=self.eps, impl=self.adaln_impl)
+        ids = None if packing is None else packing.segment_ids
+
+        def norm(x: jax.Array, scale: jax.Array, shift: jax.Array) -> jax.Array:
+            return modulate(x, scale, shift) if ids is None else modulate(x, scale, shift, ids)
+
         dtype = x_bsd.dtype
 
         # 1. Self-attention
-        attn_output = self.attn1(modulate(x_bsd, scale_msa, shift_msa), rope=rope)
-        x_bsd = (x_bsd.astype(FP32) + attn_output.astype(FP32) * gate_msa).astype(dtype)
+        self_segments = None if packing is None else packing.self_attention
+        attn_output = self.attn1(norm(x_bsd, scale_msa, shift_msa), rope=rope, segments=self_segments)
+        x_bsd = (x_bsd.astype(FP32) + attn_output.astype(FP32) * _per_token(gate_msa, ids)).astype(dtype)
 
         # 2. Cross-attention
         normed = self.norm2(x_bsd.astype(FP32)).astype(dtype)
-        x_bsd = x_bsd + self.attn2(normed, context_bkd).astype(dtype)
+        cross_segments = None if packing is None else packing.cross_attention
+        x_bsd = x_bsd + self.attn2(normed, context_bkd, segments=cross_segments).astype(dtype)
 
         # 3. Feed-forward
-        ff_output = self.ffn(modulate(x_bsd, c_scale_msa, c_shift_msa))
-        return (x_bsd.astype(FP32) + ff_output.astype(FP32) * c_gate_msa).astype(dtype)
+        ff_output = self.ffn(norm(x_bsd, c_scale_msa, c_shift_msa))
+        return (x_bsd.astype(FP32) + ff_output.astype(FP32) * _per_token(c_gate_msa, ids)).astype(dtype)
 
 
 def _check_choice(field: str, value: str, valid: tuple[str, ...] | dict) -> None:
@@ -290,20 +335,89 @@ class WanTransformer3DModel(nnx.Module):
             x_bsd = run(block, x_bsd, context_bkd, timestep_proj, rope)
 
         # 4. Output norm & projection
-        temb = temb[:, None] if temb.ndim == 2 else temb
-        table = self.scale_shift_table[...]
-        shift, scale = table[:, 0] + temb, table[:, 1] + temb
-        if self.adaln_fn is not None:
-            x_bsd = self.adaln_fn(x_bsd, scale, shift)
-        else:
-            x_bsd = _modulated_layer_norm(x_bsd, scale, shift, eps=self.variant.eps, impl=self.adaln_impl)
-        out = self.proj_out(x_bsd)
+        out = self._output(x_bsd, temb)
 
         # 5. Unpatchify: [B, S, pt·ph·pw·C] → [B, C, T'·pt... ] with (pt, ph, pw, C) as diffusers lays them out
         pt, ph, pw = self.variant.patch_size
         out = out.reshape(batch, *grid, pt, ph, pw, -1)
         out = jnp.transpose(out, (0, 7, 1, 4, 2, 5, 3, 6))
         return out.reshape(batch, -1, grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+    def _output(self, x_bsd: jax.Array, temb: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The output modulated norm (per sample, token or segment, like ``temb``) and projection."""
+        temb = temb[:, None] if temb.ndim == 2 else temb
+        table = self.scale_shift_table[...]
+        shift, scale = table[:, 0] + temb, table[:, 1] + temb
+        extra = () if segment_ids is None else (segment_ids,)
+        if self.adaln_fn is not None:
+            x_bsd = self.adaln_fn(x_bsd, scale, shift, *extra)
+        else:
+            x_bsd = _modulated_layer_norm(x_bsd, scale, shift, *extra, eps=self.variant.eps, impl=self.adaln_impl)
+        return self.proj_out(x_bsd)
+
+    def forward_packed(
+        self,
+        patches_bnqc: jax.Array,
+        positions_bn3: jax.Array,
+        segment_ids_bn: jax.Array,
+        timestep: jax.Array,
+        encoder_hidden_states_bgld: jax.Array,
+        *,
+        per_token: bool = False,
+        max_segment_tokens: int = 0,
+    ) -> jax.Array:
+        """Predict the velocity of packed rows: several samples of any shapes per row (docs/architecture.md,
+        "Packed sequences"), each attending only to itself and to its own text.
+
+        Args:
+            patches_bnqc: [B, N, Q, C_in] each token's latent patch, Q = pt·ph·pw positions in (pt, ph, pw) order
+                (``train.packing.patchify``); the patch embedding is the convolution's kernel as one matmul.
+            positions_bn3: int32 [B, N, 3] the token's (t, h, w) in its own segment's grid (3-D RoPE).
+            segment_ids_bn: int32 [B, N] non-decreasing; G segments per row, padding one of them.
+            timestep: float [B, G] one per segment, or with ``per_token`` [B, N] (TI2V's clean first frames).
+            encoder_hidden_states_bgld: [B, G, L, text_dim] each segment's text-encoder states.
+            per_token: timesteps (and so the modulation) are per token rather than per segment.
+            max_segment_tokens: static bound on a segment's tokens (shrinks the splash grid; 0: none).
+
+        Returns:
+            [B, N, Q, C_out] in ``compute_dtype``: the velocity of each token's patch.
+        """
+        b, n, q, c = patches_bnqc.shape
+        groups, text_len = encoder_hidden_states_bgld.shape[1:3]
+        if c != self.variant.in_channels or q != math.prod(self.variant.patch_size):
+            raise ValueError(
+                f"patches must be [B, N, {math.prod(self.variant.patch_size)}, {self.variant.in_channels}] for "
+                f"{self.variant.name}, got {list(patches_bnqc.shape)}"
+            )
+        expected = (b, n) if per_token else (b, groups)
+        if timestep.shape != expected:
+            raise ValueError(f"timestep must be {list(expected)} ({'per token' if per_token else 'per segment'}), "
+                             f"got {list(timestep.shape)}")  # fmt: skip
+        text_ids = jnp.broadcast_to(jnp.repeat(jnp.arange(groups, dtype=jnp.int32), text_len), (b, groups * text_len))
+        packing = Packing(
+            segment_ids=None if per_token else segment_ids_bn,
+            self_attention=Segments(segment_ids_bn, segment_ids_bn, max_segment_tokens),
+            cross_attention=Segments(segment_ids_bn, text_ids, max_segment_tokens),
+        )
+
+        # 1. Patch & position embedding
+        kernel = self.patch_embedding.kernel[...].reshape(q * c, -1)
+        x = patches_bnqc.astype(FP32).reshape(b, n, q * c) @ kernel + self.patch_embedding.bias[...]
+        x_bsd = x.astype(self.compute_dtype)
+        rope = rope_cos_sin_at(positions_bn3, self.variant.head_dim, self.variant.rope_max_seq_len)
+
+        # 2. Condition embeddings, per segment (or per token); each segment's text side by side
+        text = encoder_hidden_states_bgld.reshape(b, groups * text_len, -1)
+        temb, timestep_proj, context = self.condition_embedder(timestep.astype(FP32), text)
+        context_bkd = context.astype(self.compute_dtype)
+
+        # 3. Transformer blocks
+        run = self._block_runner()
+        for block in self.blocks:
+            x_bsd = run(block, x_bsd, context_bkd, timestep_proj, rope, packing)
+
+        # 4. Output norm & projection, per token patch
+        return self._output(x_bsd, temb, packing.segment_ids).reshape(b, n, q, -1)
 
 
 def _check_timestep(timestep: jax.Array, batch: int, seq: int) -> jax.Array:

@@ -13,6 +13,8 @@ One flow-matching loss (``flow_matching_loss``) serves training and evaluation. 
 ``batch`` is a dict of arrays (``BATCH_KEYS``): latents/noise [b, C, T', H', W'], text [b, L, D], timesteps [b]
 (float32), weights [b]; for I2V-A14B a ``condition`` [b, Cc, T', H', W'] appended to x_t's channels, and for a
 unified TI2V model ``clean_first_frame`` [b] (1: trained as image-to-video, its first latent frame kept clean).
+A packed batch (``train.packing.PackedRows``: rows of several samples, ``segment_ids`` among its keys) holds the
+same quantities per token patch and per segment; ``packed_flow_matching_loss`` computes the identical loss.
 Parameters are float32 masters whatever the compute dtype; the model casts its matmul inputs to
 ``compute_dtype``; the loss is computed in float32.
 """
@@ -63,6 +65,43 @@ def flow_matching_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.
         per_frame = jnp.mean(squared, axis=(1, 3, 4))
         per_sample = jnp.sum(per_frame * keep, axis=1) / jnp.maximum(jnp.sum(keep, axis=1), 1.0)
     return jnp.sum(batch["weights"].astype(FP32) * per_sample), per_sample
+
+
+def packed_flow_matching_loss(
+    model: nnx.Module, batch: Batch, max_segment_tokens: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """``flow_matching_loss`` of packed rows: (Σ_segments weights · loss_s, loss_s [b, g]).
+
+    Each segment's loss is the mean squared velocity error over its own tokens' patch elements (TI2V: over the
+    tokens not kept clean), exactly the per-sample loss of the unpacked batch; padding has weight 0.
+    """
+    x0, noise = batch["latents"].astype(FP32), batch["noise"].astype(FP32)  # [b, n, Q, C]
+    ids, t_seg = batch["segment_ids"], batch["timesteps"].astype(FP32)  # [b, n], [b, g]
+    b, n = ids.shape
+    groups = t_seg.shape[1]
+    t = jnp.take_along_axis(t_seg, ids, axis=1)  # [b, n]
+    clean = batch.get("clean_first_frame")
+    keep = jnp.ones((b, n), FP32) if clean is None else 1.0 - clean.astype(FP32)
+    t = t * keep
+    sigma = (t / 1000.0)[..., None, None]
+    x_t = (1.0 - sigma) * x0 + sigma * noise
+    if "condition" in batch:
+        x_t = jnp.concatenate([x_t, batch["condition"].astype(FP32)], axis=-1)
+    prediction = model.forward_packed(
+        x_t,
+        batch["positions"],
+        ids,
+        t_seg if clean is None else t,
+        batch["text"],
+        per_token=clean is not None,
+        max_segment_tokens=max_segment_tokens,
+    ).astype(FP32)
+    per_token = jnp.mean(jnp.square(prediction - (noise - x0)), axis=(2, 3)) * keep
+    flat = (ids + groups * jnp.arange(b, dtype=ids.dtype)[:, None]).reshape(-1)
+    sums = jax.ops.segment_sum(per_token.reshape(-1), flat, num_segments=b * groups).reshape(b, groups)
+    counts = jax.ops.segment_sum(keep.reshape(-1), flat, num_segments=b * groups).reshape(b, groups)
+    per_segment = sums / jnp.maximum(counts, 1.0)
+    return jnp.sum(batch["weights"].astype(FP32) * per_segment), per_segment
 
 
 def _token_timesteps(t_frames: jax.Array, latent_shape: tuple[int, ...], patch: tuple[int, int, int]) -> jax.Array:
