@@ -84,9 +84,8 @@ def test_per_rank_mean_then_mean_is_wrong_for_unequal_batches(index, flop_cost, 
 
 
 def test_padding_rows_carry_zero_weight(index, flop_cost, router):
-    planner = Planner(
-        index, A14B, PlanConfig(6, "balanced", "spmd", global_batch=40, memory_budget_tokens=151_200), flop_cost, router
-    )
+    config = PlanConfig(6, "equal-tokens", "spmd", global_batch=40, memory_budget_tokens=151_200, same_samples=True)
+    planner = Planner(index, A14B, config, flop_cost, router)
     plan = planner.plan(1)
     mbs = [mb for r in plan.ranks for mb in r.micro_batches]
     rows = [(sid, w) for mb in mbs for sid, w in zip(mb.sample_ids, mb.weights, strict=True)]

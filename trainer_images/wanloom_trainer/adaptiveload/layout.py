@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan
+from wanloom_trainer.adaptiveload.plan import MicroBatch, PackedRow, RankPlan
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,23 @@ class BucketFacts:
 
 
 @dataclass(frozen=True)
+class PackedSlots:
+    """Geometry of packed slots (``adaptiveload.packing``).
+
+    Attributes:
+        row_tokens, groups, max_segment_tokens: int [K] per slot (identical on every rank: one program).
+        pad_tokens: int [R, K] padding tokens of each (rank, slot) row.
+        pad_cost: float [R, K] predicted cost of that padding.
+    """
+
+    row_tokens: np.ndarray
+    groups: np.ndarray
+    max_segment_tokens: np.ndarray
+    pad_tokens: np.ndarray
+    pad_cost: np.ndarray
+
+
+@dataclass(frozen=True)
 class Assignment:
     """A planned step as arrays over rows (real samples first, then zero-weight padding rows).
 
@@ -55,6 +72,7 @@ class Assignment:
         owner, slot: int [m], the rank and micro-batch slot of each row.
         num_ranks, num_slots: the grid size; (rank, slot) cells without rows are dummies.
         slot_expert: int [num_slots], the expert of each slot.
+        packed: the packed geometry (one row per (rank, slot), samples of any shapes), or None.
     """
 
     rows: StepItems
@@ -64,15 +82,27 @@ class Assignment:
     num_ranks: int
     num_slots: int
     slot_expert: np.ndarray
+    packed: PackedSlots | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.real.sum())
 
+    def padding_cost(self, facts: BucketFacts) -> float:
+        """Predicted compute spent on padding: zero-weight rows, dummy micro-batches, padding tokens."""
+        if self.packed is not None:
+            return float(self.packed.pad_cost.sum())
+        grid = cost_grid(self, facts)
+        return float(grid.sum() - facts.cost[self.rows.bucket[self.real]].sum())
 
-def slots_by_group(items: StepItems, owner: np.ndarray, num_ranks: int, facts: BucketFacts) -> np.ndarray:
+
+def slots_by_group(
+    items: StepItems, owner: np.ndarray, num_ranks: int, facts: BucketFacts, caps: np.ndarray | None = None
+) -> np.ndarray:
     """Slot [n] when ranks synchronise once per step: on each rank one micro-batch per (expert, bucket), split
-    evenly where it exceeds the cap, heavier buckets first; expert 1's slots start after expert 0's."""
+    evenly where it exceeds the cap (``caps`` per bucket, default the memory cap), heavier buckets first; expert
+    1's slots start after expert 0's."""
+    caps = facts.cap if caps is None else caps
     k = len(facts.tokens)
     keys = (owner * 2 + items.expert) * k + (k - 1 - items.bucket)
     order = np.argsort(keys, kind="stable")
@@ -82,7 +112,7 @@ def slots_by_group(items: StepItems, owner: np.ndarray, num_ranks: int, facts: B
     used = np.zeros((num_ranks, 2), dtype=np.int64)
     for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
         first = order[s]
-        r, x, cap = int(owner[first]), int(items.expert[first]), int(facts.cap[items.bucket[first]])
+        r, x, cap = int(owner[first]), int(items.expert[first]), int(caps[items.bucket[first]])
         chunks = -(-(e - s) // cap)
         sizes = np.full(chunks, (e - s) // chunks) + (np.arange(chunks) < (e - s) % chunks)
         local[order[s:e]] = used[r, x] + np.repeat(np.arange(chunks), sizes)
@@ -100,10 +130,11 @@ def per_rank_assignment(items: StepItems, owner: np.ndarray, slot: np.ndarray, n
     return Assignment(items, real, owner, slot, num_ranks, num_slots, slot_expert)
 
 
-def spmd_assignment(items: StepItems, num_ranks: int, facts: BucketFacts) -> Assignment:
+def spmd_assignment(items: StepItems, num_ranks: int, facts: BucketFacts, caps: np.ndarray | None = None) -> Assignment:
     """Slots shared by all ranks: per (expert, bucket) group of m samples, s = ⌈m / (R·cap)⌉ slots of
     w = ⌈m / (R·s)⌉ rows per rank. Samples are dealt round-robin over ranks so padding spreads evenly; padding rows
-    repeat the group's first sample."""
+    repeat the group's first sample. ``caps``: rows per micro-batch per bucket (default the memory cap)."""
+    caps = facts.cap if caps is None else caps
     k = len(facts.tokens)
     keys = items.expert * k + (k - 1 - items.bucket)
     order = np.argsort(keys, kind="stable")
@@ -111,7 +142,7 @@ def spmd_assignment(items: StepItems, num_ranks: int, facts: BucketFacts) -> Ass
     owner, slot = np.empty(len(order), dtype=np.int64), np.empty(len(order), dtype=np.int64)
     pad_src, pad_owner, pad_slot, slot_expert, first = [], [], [], [], 0
     for group in np.split(order, bounds):
-        m, cap = len(group), int(facts.cap[items.bucket[group[0]]])
+        m, cap = len(group), int(caps[items.bucket[group[0]]])
         slots = -(-m // (num_ranks * cap))
         width = -(-m // (num_ranks * slots))
         i = np.arange(m)
@@ -142,6 +173,8 @@ def cost_grid(assignment: Assignment, facts: BucketFacts) -> np.ndarray:
     """Predicted compute float [R, K] of every (rank, slot) cell, dummies included (no per-call overhead)."""
     grid = np.zeros((assignment.num_ranks, assignment.num_slots))
     np.add.at(grid, (assignment.owner, assignment.slot), facts.cost[assignment.rows.bucket])
+    if assignment.packed is not None:  # empty rows are all padding
+        return grid + assignment.packed.pad_cost
     empty = np.ones_like(grid, dtype=bool)
     empty[assignment.owner, assignment.slot] = False
     grid[empty] = facts.cost[facts.dummy_bucket]
@@ -158,13 +191,28 @@ def materialise(assignment: Assignment, facts: BucketFacts, ranks: Iterable[int]
     keys = assignment.owner[idx] * max(assignment.num_slots, 1) + assignment.slot[idx]
     bounds = np.flatnonzero(np.diff(keys)) + 1
     starts, ends = np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [len(idx)]]).tolist()
-    dummies = [_dummy(e, facts) for e in (0, 1)]
     position = {r: i for i, r in enumerate(wanted)}
-    grid = [[dummies[e] for e in assignment.slot_expert.tolist()] for _ in wanted]
+    packed = assignment.packed
+    if packed is None:
+        dummies = [_dummy(e, facts) for e in (0, 1)]
+        grid = [[dummies[e] for e in assignment.slot_expert.tolist()] for _ in wanted]
+    else:
+        grid = [
+            [_dummy(int(e), facts, _geometry(packed, k), float(packed.pad_cost[r, k]))
+             for k, e in enumerate(assignment.slot_expert.tolist())]
+            for r in wanted
+        ]  # fmt: skip
     for s, e in zip(starts, ends, strict=True):
         r, k = divmod(int(keys[s]), max(assignment.num_slots, 1))
-        grid[position[r]][k] = rows.micro_batch(s, e)
+        if packed is None:
+            grid[position[r]][k] = rows.micro_batch(s, e)
+        else:
+            grid[position[r]][k] = rows.packed_micro_batch(s, e, _geometry(packed, k), float(packed.pad_cost[r, k]))
     return [RankPlan(tuple(mbs), sum(mb.predicted_cost for mb in mbs) + facts.overhead * len(mbs)) for mbs in grid]
+
+
+def _geometry(packed: PackedSlots, slot: int) -> PackedRow:
+    return PackedRow(int(packed.row_tokens[slot]), int(packed.groups[slot]), int(packed.max_segment_tokens[slot]))
 
 
 class _RowLists:
@@ -193,8 +241,32 @@ class _RowLists:
             predicted_cost=(end - start) * self.cost[b],
         )
 
+    def packed_micro_batch(self, start: int, end: int, row: PackedRow, pad_cost: float) -> MicroBatch:
+        """One packed row: samples of any buckets in plan order, the largest shape as the nominal one."""
+        buckets = self.bucket[start:end]
+        row = PackedRow(
+            row.row_tokens,
+            row.groups,
+            row.max_segment_tokens,
+            sample_shapes=tuple(self.shapes[b] for b in buckets),
+            sample_tokens=tuple(self.tokens[b] for b in buckets),
+        )
+        largest = max(buckets, key=lambda b: self.tokens[b])
+        return MicroBatch(
+            sample_ids=tuple(self.ids[start:end]),
+            latent_shape=self.shapes[largest],
+            expert=self.expert[start],
+            timesteps=tuple(self.timesteps[start:end]),
+            weights=tuple(self.weights[start:end]),
+            tokens=sum(row.sample_tokens),
+            predicted_cost=sum(self.cost[b] for b in buckets) + pad_cost,
+            packed=row,
+        )
 
-def _dummy(expert: int, facts: BucketFacts) -> MicroBatch:
+
+def _dummy(expert: int, facts: BucketFacts, packed: PackedRow | None = None, pad_cost: float = 0.0) -> MicroBatch:
+    """A micro-batch with no sample: one zero-weight row of the cheapest bucket (packed: in an all-padding row)."""
     b = facts.dummy_bucket
     shape = tuple(facts.shapes[b].tolist())
-    return MicroBatch((), shape, expert, (), (), tokens=int(facts.tokens[b]), predicted_cost=float(facts.cost[b]))
+    cost = float(facts.cost[b]) if packed is None else pad_cost
+    return MicroBatch((), shape, expert, (), (), tokens=int(facts.tokens[b]), predicted_cost=cost, packed=packed)

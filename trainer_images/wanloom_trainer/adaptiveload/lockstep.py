@@ -196,12 +196,12 @@ def lockstep_assign(
         first_unit += len(units.size)
         first_slot += int(units.row.max()) + 1
     unit_cost, unit_slot = np.concatenate(unit_costs), np.concatenate(unit_slots)
-    unit_rank = _ranks_by_slot(unit_cost, unit_slot, num_ranks, first_slot)
+    unit_rank = ranks_by_slot(unit_cost, unit_slot, num_ranks, first_slot)
     unit_rank = _swap_repair(unit_cost, unit_slot, unit_rank, num_ranks, first_slot, dummy_cost, repair_iters)
     return unit_rank[unit_of], unit_slot[unit_of]
 
 
-def _ranks_by_slot(unit_cost: np.ndarray, unit_slot: np.ndarray, num_ranks: int, num_slots: int) -> np.ndarray:
+def ranks_by_slot(unit_cost: np.ndarray, unit_slot: np.ndarray, num_ranks: int, num_slots: int) -> np.ndarray:
     """Within each slot, the largest unit goes to the rank with the smallest running total (LPT per slot)."""
     rank_of = np.empty(len(unit_cost), dtype=np.int64)
     loads = np.zeros(num_ranks)

@@ -14,7 +14,10 @@ Two layouts:
   lockstep; a rank short of work runs *dummy* micro-batches (``sample_ids == ()``): one zero-weight row of
   ``latent_shape`` (zeros, or any sample of that shape), counted in ``predicted_cost``.
 - ``spmd`` (JAX): micro-batch k has the same ``latent_shape``, ``expert`` and row count on every rank; missing rows
-  are duplicates of real samples with weight 0.
+  are duplicates of real samples with weight 0. With the balanced policy the SPMD micro-batches are **packed**
+  (``MicroBatch.packed``, ``adaptiveload.packing``): each rank runs one row of ``row_tokens`` tokens holding
+  samples of any shapes end to end; micro-batch k has the same ``PackedRow`` geometry (row tokens, segment slots,
+  longest segment) on every rank, so it is still one SPMD program.
 
 Costs: ``MicroBatch.predicted_cost`` is the compute of its rows (rows × the cost model's per-sample cost, padding
 included); ``RankPlan.predicted_cost`` adds the cost model's per-call overhead once per micro-batch, i.e. it is the
@@ -33,6 +36,44 @@ POLICIES = ("balanced", "paper", "equal-tokens")
 
 
 @dataclass(frozen=True)
+class PackedRow:
+    """Geometry of a packed micro-batch (docs/architecture.md, "Packed sequences"); identical across a slot's ranks.
+
+    Attributes:
+        row_tokens: tokens of the row, padding included.
+        groups: segment slots (samples + padding, rounded up to a power of two).
+        max_segment_tokens: bound on any segment's tokens (the attention kernel's grid).
+        sample_shapes: (T', H', W') of each of the rank's samples, in row order (the loader fits each to its own).
+        sample_tokens: transformer tokens of each sample.
+    """
+
+    row_tokens: int
+    groups: int
+    max_segment_tokens: int
+    sample_shapes: tuple[tuple[int, int, int], ...] = ()
+    sample_tokens: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "row_tokens": self.row_tokens,
+            "groups": self.groups,
+            "max_segment_tokens": self.max_segment_tokens,
+            "sample_shapes": [list(s) for s in self.sample_shapes],
+            "sample_tokens": list(self.sample_tokens),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> PackedRow:
+        return cls(
+            row_tokens=int(doc["row_tokens"]),
+            groups=int(doc["groups"]),
+            max_segment_tokens=int(doc["max_segment_tokens"]),
+            sample_shapes=tuple(tuple(int(x) for x in s) for s in doc.get("sample_shapes", ())),  # type: ignore[misc]
+            sample_tokens=tuple(int(t) for t in doc.get("sample_tokens", ())),
+        )
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     """One forward/backward call: shape- and expert-homogeneous, so the rows stack into one tensor.
 
@@ -44,7 +85,9 @@ class MicroBatch:
         timesteps: per-row t in [0, 1000), float32 values (exactly representable), from routing.
         weights: per-row loss weight: 1/num_samples for real rows, 0.0 for padding.
         tokens: transformer tokens per row.
-        predicted_cost: rows × per-sample cost (compute only, no per-call overhead).
+        predicted_cost: rows × per-sample cost (compute only, no per-call overhead); packed: the row's samples'
+            costs plus its padding's.
+        packed: the packed-row geometry, or None for a micro-batch of same-shape rows.
     """
 
     sample_ids: tuple[int, ...]
@@ -54,6 +97,7 @@ class MicroBatch:
     weights: tuple[float, ...]
     tokens: int = 0
     predicted_cost: float = 0.0
+    packed: PackedRow | None = None
 
     @property
     def is_dummy(self) -> bool:
@@ -61,8 +105,14 @@ class MicroBatch:
 
     @property
     def rows(self) -> int:
-        """Rows the backend runs (a dummy runs one zero-weight row)."""
-        return max(1, len(self.sample_ids))
+        """Rows the backend runs (a dummy runs one zero-weight row; a packed micro-batch is one row)."""
+        return 1 if self.packed is not None else max(1, len(self.sample_ids))
+
+    @property
+    def real_tokens(self) -> tuple[int, ...]:
+        """Transformer tokens of each real sample."""
+        per_sample = self.packed.sample_tokens if self.packed is not None else (self.tokens,) * len(self.weights)
+        return tuple(t for t, w in zip(per_sample, self.weights, strict=True) if w > 0)
 
     @property
     def num_real(self) -> int:
@@ -80,6 +130,10 @@ class MicroBatch:
             raise ValueError(f"latent_shape must be three positive ints, got {self.latent_shape}")
         if any(not 0.0 <= t < 1000.0 for t in self.timesteps):
             raise ValueError(f"timesteps must lie in [0, 1000), got {self.timesteps}")
+        if self.packed is not None and not len(self.packed.sample_shapes) == len(self.packed.sample_tokens) == n:
+            raise ValueError(f"packed micro-batch has {n} samples but {len(self.packed.sample_shapes)} shapes")
+        if self.packed is not None and sum(self.packed.sample_tokens) > self.packed.row_tokens:
+            raise ValueError(f"packed samples hold {sum(self.packed.sample_tokens)} tokens > {self.packed.row_tokens}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +144,7 @@ class MicroBatch:
             "weights": list(self.weights),
             "tokens": self.tokens,
             "predicted_cost": self.predicted_cost,
+            "packed": None if self.packed is None else self.packed.to_dict(),
         }
 
     @classmethod
@@ -102,6 +157,7 @@ class MicroBatch:
             weights=tuple(float(w) for w in doc["weights"]),
             tokens=int(doc.get("tokens", 0)),
             predicted_cost=float(doc.get("predicted_cost", 0.0)),
+            packed=None if doc.get("packed") is None else PackedRow.from_dict(doc["packed"]),
         )
         mb.validate()
         return mb
@@ -126,7 +182,7 @@ class RankPlan:
     @property
     def tokens(self) -> int:
         """Tokens of the real samples."""
-        return sum(mb.tokens * mb.num_real for mb in self.micro_batches)
+        return sum(sum(mb.real_tokens) for mb in self.micro_batches)
 
     def to_dict(self) -> dict[str, Any]:
         return {"micro_batches": [mb.to_dict() for mb in self.micro_batches], "predicted_cost": self.predicted_cost}
@@ -172,7 +228,7 @@ class StepPlan:
                 mb.validate()
             if len({mb.expert for mb in slot}) > 1:
                 raise ValueError(f"step {self.step}: micro-batch {k} mixes experts across ranks")
-            if self.layout == "spmd" and len({(mb.latent_shape, mb.rows) for mb in slot}) > 1:
+            if self.layout == "spmd" and len({_program_shape(mb) for mb in slot}) > 1:
                 raise ValueError(f"step {self.step}: spmd micro-batch {k} differs in shape or rows across ranks")
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,3 +251,10 @@ class StepPlan:
         )
         plan.validate()
         return plan
+
+
+def _program_shape(mb: MicroBatch) -> tuple[Any, ...]:
+    """What one SPMD program fixes: the row geometry of a packed micro-batch, else the latent shape and rows."""
+    if mb.packed is not None:
+        return ("packed", mb.packed.row_tokens, mb.packed.groups, mb.packed.max_segment_tokens)
+    return (mb.latent_shape, mb.rows)

@@ -3,13 +3,18 @@
 Policies (``PlanConfig.policy``):
 
 - ``balanced`` (beyond the paper): a fixed global batch of ``global_batch`` samples per step from the seeded
-  epoch stream (``scheduler.SampleStream``); samples are assigned to ranks to minimise the predicted maximum
-  per-rank compute (``balance.balance``: LPT by groups + repair), then cut into memory-capped micro-batches.
-  With the SPMD layout every slot runs on all ranks at once, so balance is by construction and the planner instead
-  deals each (expert, bucket) group evenly over ranks to minimise padding.
+  epoch stream (``scheduler.SampleStream``); per-rank layout: samples are assigned to (rank, slot) so that every
+  lockstep slot is balanced (``lockstep``) or, synchronising once per step, per-rank totals are
+  (``balance.balance``); SPMD layout: samples are packed into one row per rank per slot under the dual constraint
+  and balanced across rows (``packing``).
 - ``paper``: per-bucket batch sizes ``B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋))``; each rank draws one bucket chunk
   per step (``scheduler.BucketChunks``), so the global sample count varies per step.
 - ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
+
+``PlanConfig.same_samples`` (the simulator, ``wanloom plan``) gives the two baselines the balanced policy's
+samples instead: each step takes ``global_batch`` samples from the same stream, dealt to ranks in stream order
+(per-rank layout) or grouped by bucket over all ranks (SPMD), then cut into micro-batches of their batch sizes, so
+every policy is compared on the same work.
 
 Routing draws the step's timesteps and experts once for all its samples (``Router.draw(seed, step, n)``); each
 micro-batch is then expert-homogeneous.
@@ -41,6 +46,7 @@ from wanloom_trainer.adaptiveload.layout import (
     spmd_assignment,
 )
 from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
+from wanloom_trainer.adaptiveload.packing import packed_assignment
 from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, RankPlan, StepPlan
 from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
 from wanloom_trainer.adaptiveload.shape_index import SampleShapes
@@ -75,6 +81,8 @@ class PlanConfig:
             accumulation without sync until the last micro-batch: the step takes max_rank Σ_slots; "balanced"
             balances per-rank totals, see ``balance``).
         repair_iters: local-search iterations after LPT (sync "step").
+        sequence_multiple: packed rows are multiples of this many tokens (context × tensor: the sequence sharding).
+        same_samples: baselines run the balanced policy's samples (module docstring).
     """
 
     num_ranks: int
@@ -87,6 +95,8 @@ class PlanConfig:
     seed: int = 0
     sync: str = "micro-batch"
     repair_iters: int = 64
+    sequence_multiple: int = 1
+    same_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -97,7 +107,8 @@ class PlanConfig:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if self.sync not in SYNCS:
             raise ValueError(f"sync {self.sync!r} is not one of {', '.join(SYNCS)}")
-        if self.policy == "balanced" and (self.global_batch is None or self.global_batch < 1):
+        needs_batch = self.policy == "balanced" or self.same_samples
+        if needs_batch and (self.global_batch is None or self.global_batch < 1):
             raise ValueError(f"scheduler 'balanced' needs training.globalBatch >= 1, got {self.global_batch}")
 
 
@@ -136,7 +147,7 @@ class Planner:
         self.batch_sizes = self._batch_sizes(config.policy)
         self._stream = SampleStream(len(index), config.seed)
         self._chunks: BucketChunks | None = None
-        if config.policy != "balanced":
+        if config.policy != "balanced" and not config.same_samples:
             group = config.num_ranks if config.layout == "spmd" else 1
             self._chunks = BucketChunks(self.bucket_of, self.batch_sizes * group, config.seed)
 
@@ -152,7 +163,9 @@ class Planner:
         """Index positions [n] of the step's samples and, for bucket-chunk policies, their rank [n] (else None)."""
         cfg = self.config
         if self._chunks is None:
-            return self._stream.step(step, int(cfg.global_batch or 0)), None
+            pos = self._stream.step(step, int(cfg.global_batch or 0))
+            dealt = cfg.policy != "balanced" and cfg.layout == "per-rank"
+            return pos, (np.arange(len(pos)) % cfg.num_ranks if dealt else None)
         if cfg.layout == "spmd":
             _, pos = self._chunks.chunk(step)
             return pos, None
@@ -175,8 +188,19 @@ class Planner:
             expert=np.asarray(experts, dtype=np.int64),
             timesteps=np.asarray(timesteps, dtype=np.float32),
         )
+        if cfg.layout == "spmd" and cfg.policy == "balanced":
+            return packed_assignment(
+                items,
+                cfg.num_ranks,
+                facts,
+                memory_budget_tokens=cfg.memory_budget_tokens,
+                compute_budget=self.compute_budget,
+                exponent=self.exponent,
+                pad_cost=self.cost_model.sample_cost,
+                sequence_multiple=cfg.sequence_multiple,
+            )
         if cfg.layout == "spmd":
-            return spmd_assignment(items, cfg.num_ranks, facts)
+            return spmd_assignment(items, cfg.num_ranks, facts, self.batch_sizes)
         if owner is None and cfg.sync == "micro-batch":
             owner, slot = lockstep_assign(
                 items.bucket, items.expert, facts.cost, facts.cap, cfg.num_ranks, facts.overhead
@@ -185,7 +209,7 @@ class Planner:
             if owner is None:
                 groups = items.expert * len(facts.tokens) + items.bucket
                 owner = balance(facts.cost[items.bucket], groups, cfg.num_ranks, cfg.repair_iters)
-            slot = slots_by_group(items, owner, cfg.num_ranks, facts)
+            slot = slots_by_group(items, owner, cfg.num_ranks, facts, self.batch_sizes)
         return per_rank_assignment(items, owner, slot, cfg.num_ranks)
 
     def plan(self, step: int) -> StepPlan:
@@ -220,9 +244,11 @@ def plan_step(
     return Planner(index, variant, config, cost_model, router, buckets).plan(step)
 
 
-def planner_from_config(config: Any, sample_shapes: Any, cost: CostModel, *, policy: str, layout: str) -> Planner:
+def planner_from_config(
+    config: Any, sample_shapes: Any, cost: CostModel, *, policy: str, layout: str, same_samples: bool = False
+) -> Planner:
     """The planner a run's ``config.TrainConfig`` describes, with ``policy`` and ``layout`` chosen by the caller
-    (the trainer: the spec's scheduler; ``wanloom plan``: each policy in turn)."""
+    (the trainer: the spec's scheduler; ``wanloom plan``: each policy in turn, on the same samples)."""
     al = config.adaptive_load
     plan_config = PlanConfig(
         num_ranks=config.parallel.batch_ranks,
@@ -233,6 +259,8 @@ def planner_from_config(config: Any, sample_shapes: Any, cost: CostModel, *, pol
         compute_budget=al.compute_budget,
         exponent=al.exponent,
         seed=config.seed,
+        sequence_multiple=config.parallel.context * config.parallel.tensor,
+        same_samples=same_samples,
     )
     buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
     return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)

@@ -8,17 +8,23 @@ communication at all. The per-device core is any ``AttentionFn``: the Pallas spl
 kernel, which is why it must run inside ``shard_map``), XLA elsewhere.
 
 Cross-attention keys/values come from the 512 text tokens, which are never split over ``context``.
+
+Packed rows (``segments``): the query ids are split like the queries; the key ids are whole on every device (the
+self-attention keys are gathered, the text is never split), so each device builds its own block tables.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+from jax.sharding import PartitionSpec
 
-from wanloom_trainer.parallel.mesh import ShardingConfig
+from wanloom_trainer.model.segment_attention import Segments
+from wanloom_trainer.parallel.mesh import BATCH_AXES, ShardingConfig
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+AttentionFn = Callable[..., jax.Array]
 
 
 def context_parallel_attention(core: AttentionFn, shardings: ShardingConfig, *, cross: bool) -> AttentionFn:
@@ -27,19 +33,32 @@ def context_parallel_attention(core: AttentionFn, shardings: ShardingConfig, *, 
     kv_spec = shardings.kv_blnh if cross else shardings.q_bsnh
     gather = not cross and shardings.axis_size("context") > 1
 
-    def local(q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array) -> jax.Array:
+    def local(q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array, *ids: jax.Array, max_tokens: int = 0):
         if gather:
             k_bknh = jax.lax.all_gather(k_bknh, "context", axis=1, tiled=True)
             v_bknh = jax.lax.all_gather(v_bknh, "context", axis=1, tiled=True)
-        return core(q_bsnh, k_bknh, v_bknh)
+        if not ids:
+            return core(q_bsnh, k_bknh, v_bknh)
+        return core(q_bsnh, k_bknh, v_bknh, Segments(*ids, max_tokens=max_tokens))
 
-    sharded = jax.shard_map(
-        local, mesh=shardings.mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False
-    )
+    specs = (q_spec, kv_spec, kv_spec)
+    sharded = jax.shard_map(local, mesh=shardings.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+    ids_specs = (PartitionSpec(BATCH_AXES, "context"), PartitionSpec(BATCH_AXES, None))
 
-    def attention(q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array) -> jax.Array:
+    def attention(
+        q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array, segments: Segments | None = None
+    ) -> jax.Array:
         _check_divisible(q_bsnh.shape, shardings)
-        return sharded(q_bsnh, k_bknh, v_bknh)
+        if segments is None:
+            return sharded(q_bsnh, k_bknh, v_bknh)
+        packed = jax.shard_map(
+            functools.partial(local, max_tokens=segments.max_tokens),
+            mesh=shardings.mesh,
+            in_specs=(*specs, *ids_specs),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+        return packed(q_bsnh, k_bknh, v_bknh, segments.q, segments.kv)
 
     return attention
 

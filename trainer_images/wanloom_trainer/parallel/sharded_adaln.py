@@ -8,7 +8,9 @@ along the sequence. The shard_map transpose then sums d_scale/d_shift of a repli
 that share it, which is the column sum over the whole sequence. XLA re-gathers y over ``tensor`` for the
 column-parallel projections that follow, as it would for any sequence-parallel activation.
 
-Per-token modulation (TI2V) is split exactly like x.
+Per-token modulation (TI2V) is split exactly like x. Packed rows: the segment ids are split like x's rows and the
+per-segment modulation ``[b, S, d]`` is replicated along the sequence like a per-sample one, so the transpose sums
+each shard's per-segment partial column sums.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from jax.sharding import PartitionSpec
 
 from wanloom_trainer.parallel.mesh import BATCH_AXES, ShardingConfig, runs_mosaic
 
-AdaLNFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+AdaLNFn = Callable[..., jax.Array]  # (x, scale, shift, segment_ids=None) -> y
 SEQUENCE_AXES = ("context", "tensor")
 
 
 def sharded_adaln(shardings: ShardingConfig, *, eps: float) -> AdaLNFn:
-    """``adaln(x [b, s, d], scale, shift) -> y`` running the fused kernel per shard of ``shardings.mesh``."""
+    """``adaln(x [b, s, d], scale, shift, segment_ids=None) -> y`` running the fused kernel per shard of
+    ``shardings.mesh``."""
     from wanloom_trainer.kernels.adaln_pallas import adaln_pallas
 
     rows = PartitionSpec(BATCH_AXES, SEQUENCE_AXES, None)
@@ -52,8 +55,15 @@ def sharded_adaln(shardings: ShardingConfig, *, eps: float) -> AdaLNFn:
         )
         for mod_rows, spec in ((False, per_sample), (True, rows))
     }
+    per_segment = jax.shard_map(
+        lambda x, scale, shift, ids: adaln_pallas(x, scale, shift, eps, interpret, segment_ids=ids),
+        mesh=shardings.mesh,
+        in_specs=(rows, per_sample, per_sample, PartitionSpec(BATCH_AXES, SEQUENCE_AXES)),
+        out_specs=rows,
+        check_vma=False,
+    )
 
-    def adaln(x: jax.Array, scale: jax.Array, shift: jax.Array) -> jax.Array:
+    def adaln(x: jax.Array, scale: jax.Array, shift: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         b, s, _ = x.shape
         if b % batch or s % sequence:
             raise ValueError(
@@ -61,6 +71,8 @@ def sharded_adaln(shardings: ShardingConfig, *, eps: float) -> AdaLNFn:
                 f"tensor={sequence}: micro-batches must hold a multiple of the data-parallel ranks and token counts "
                 "a multiple of spec.parallelism.context x spec.parallelism.tensor"
             )
+        if segment_ids is not None:
+            return per_segment(x, scale, shift, segment_ids)
         if scale.ndim == 2:
             scale, shift = scale[:, None], shift[:, None]
         per_token = scale.shape[1] == s and s > 1

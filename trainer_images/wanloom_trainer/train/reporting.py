@@ -24,10 +24,10 @@ _SHORT = {0: "hi", 1: "lo"}
 def plan_flops(plan: Any, variant: Any) -> float:
     """Training FLOPs of a plan's real samples over all ranks."""
     return sum(
-        mb.num_real * flops.train_flops_per_sample(variant, mb.tokens)
+        flops.train_flops_per_sample(variant, tokens)
         for rank in plan.ranks
         for mb in rank.micro_batches
-        if mb.num_real
+        for tokens in mb.real_tokens
     )
 
 
