@@ -130,14 +130,18 @@ def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: f
 def plan(
     file: Annotated[Path, typer.Argument(help="TrainingJob YAML.")],
     bench: Annotated[Path | None, typer.Option(help="Shape-benchmark JSON to fit the cost model from.")] = None,
+    shapes: Annotated[
+        Path | None, typer.Option(help="CSV of sample sizes in pixels (header frames,height,width) to plan instead.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Show AdaptiveLoad's batch plan for a TrainingJob (buckets, batch sizes, balance)."""
+    """Show AdaptiveLoad's batch plan for a TrainingJob (buckets, batch sizes, balance in the backend's mode)."""
     from wanloom_trainer.adaptiveload.report import run_plan
 
     try:
-        typer.echo(run_plan(file, bench))
-    except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
-        typer.echo(str(exc), err=True)
+        typer.echo(run_plan(file, bench, shapes_csv=shapes, as_json=json_out))
+    except (InvalidTrainingJob, *_user_errors()) as exc:
+        typer.echo(f"wanloom plan: {_explain(exc)}", err=True)
         raise typer.Exit(1) from None
 
 

@@ -37,10 +37,10 @@ def _planner(shapes, layout: str = "per-rank") -> Planner:  # type: ignore[no-un
 def _record(step) -> list[tuple]:  # type: ignore[no-untyped-def]
     out = []
     for mb in step:
-        digest = hashlib.sha1(mb.batch.latents.tobytes() + mb.batch.text_embeds.tobytes()).hexdigest()
-        out.append(
-            (mb.step, mb.index, mb.batch.sample_ids.tolist(), digest, mb.timesteps.tolist(), mb.weights.tolist())
-        )
+        batches = mb.batch if mb.packed else (mb.batch,)
+        digest = hashlib.sha1(b"".join(b.latents.tobytes() + b.text_embeds.tobytes() for b in batches)).hexdigest()
+        ids = [i for b in batches for i in b.sample_ids.tolist()]
+        out.append((mb.step, mb.index, ids, digest, mb.timesteps.tolist(), mb.weights.tolist()))
     return out
 
 
@@ -80,6 +80,24 @@ def test_rows_follow_the_plan(dataset: Path) -> None:
             assert got.batch.latents.shape[2:] == tuple(mb.latent_shape)
             np.testing.assert_array_equal(got.timesteps, np.asarray(mb.timesteps, np.float32))
             np.testing.assert_array_equal(got.weights, np.asarray(mb.weights, np.float32))
+
+
+def test_packed_micro_batches_load_each_sample_at_its_own_shape(dataset: Path) -> None:
+    with open_dataset(str(dataset), max_bad_samples=0) as ds:
+        planner = _planner(ds.sample_shapes(), "spmd")
+        plan = planner.plan(1)
+        with PlanPrefetcher(ds, [plan], rank=0, depth=2) as pf:
+            loaded = list(next(iter(pf)))
+    for got, mb in zip(loaded, plan.ranks[0].micro_batches, strict=True):
+        assert got.packed and mb.packed is not None
+        if mb.is_dummy:  # one placeholder segment, weight 0
+            assert len(got.batch) == 1 and got.weights.tolist() == [0.0]
+            continue
+        assert [b.latents.shape[2:] for b in got.batch] == list(mb.packed.sample_shapes)
+        assert [int(b.sample_ids[0]) for b in got.batch] == list(mb.sample_ids)
+        np.testing.assert_array_equal(got.timesteps, np.asarray(mb.timesteps, np.float32))
+        np.testing.assert_array_equal(got.weights, np.asarray(mb.weights, np.float32))
+    assert len({tuple(b.latents.shape[2:]) for got in loaded for b in got.batch}) > 1  # mixed shapes in one plan
 
 
 def _mb(ids: tuple[int, ...], shape: tuple[int, int, int], t: float = 100.0) -> MicroBatch:

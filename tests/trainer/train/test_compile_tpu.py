@@ -33,7 +33,9 @@ def test_compile_reports_memory_and_fails_when_the_step_does_not_fit() -> None:
     assert report["devices"] == 8 and report["mesh"] == {"data": 2, "fsdp": 2, "context": 2, "tensor": 1}
     assert report["capacity_bytes_per_device"] == int(0.001 * 2**30)
     programs = {p["program"]: p for p in report["programs"]}
-    assert set(programs) == {"accumulate", "update"}
+    assert set(programs) == {"accumulate", "accumulate-packed", "update"}  # balanced: the trainer packs
+    packed = programs["accumulate-packed"]
+    assert packed["rows_per_rank"] == 1 and packed["tokens_per_row"] == 64  # memoryBudgetTokens, context 2 divides it
     step = programs["accumulate"]
     assert step["latent_shape"] == [3, 8, 8] and step["tokens_per_row"] == 48 and step["rows_per_rank"] == 1
     # peak = resident state of both experts + the slot's arguments beyond the expert's parameters + temporaries

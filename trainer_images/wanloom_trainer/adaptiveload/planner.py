@@ -112,6 +112,42 @@ class PlanConfig:
             raise ValueError(f"scheduler 'balanced' needs training.globalBatch >= 1, got {self.global_batch}")
 
 
+# Balanced scheduling moves whole samples between ranks; with fewer per rank it cannot even out long clips.
+MIN_SAMPLES_PER_RANK = 4
+
+
+def plan_warnings(config: PlanConfig, dataset_size: int) -> list[str]:
+    """What makes a plan worse than the user expects, in words naming the fields (logged by the trainer, printed
+    by ``wanloom plan``)."""
+    out = []
+    batch = config.global_batch
+    if batch is not None and (config.policy == "balanced" or config.same_samples):
+        if batch > dataset_size:
+            out.append(
+                f"training.globalBatch {batch} exceeds the dataset's {dataset_size} samples: samples repeat within "
+                "a step; lower globalBatch or add data"
+            )
+        if batch < MIN_SAMPLES_PER_RANK * config.num_ranks:
+            out.append(
+                f"training.globalBatch {batch} gives {batch / config.num_ranks:.2g} samples per data-parallel rank "
+                f"({config.num_ranks} ranks); balancing needs about {MIN_SAMPLES_PER_RANK} or more per rank, "
+                f"so raise globalBatch to >= {MIN_SAMPLES_PER_RANK * config.num_ranks} or expect idle ranks"
+            )
+    return out
+
+
+def _check_costs(cost_model: CostModel, facts: BucketFacts) -> None:
+    """A cost model predicting a NaN, infinite, zero or negative cost would silently mis-balance every step."""
+    bad = ~np.isfinite(facts.cost) | (facts.cost <= 0)
+    if bad.any() or not np.isfinite(facts.overhead) or facts.overhead < 0:
+        where = f"bucket {tuple(facts.shapes[int(np.argmax(bad))])}" if bad.any() else "per-call overhead"
+        raise ValueError(
+            f"adaptiveLoad cost model {cost_model.to_dict()} predicts an invalid cost for {where} (costs must be "
+            "finite and positive, the overhead finite and >= 0); refit it (wanloom plan --bench) or fix "
+            "spec.adaptiveLoad"
+        )
+
+
 class Planner:
     """Plans steps for one dataset; holds only derived, immutable tables and epoch caches."""
 
@@ -144,6 +180,8 @@ class Planner:
             cost=np.asarray(cost_model.sample_cost(tokens), dtype=np.float64),
             overhead=float(cost_model.overhead),
         )
+        _check_costs(cost_model, self.facts)
+        self.warnings = plan_warnings(config, len(index))
         self.batch_sizes = self._batch_sizes(config.policy)
         self._stream = SampleStream(len(index), config.seed)
         self._chunks: BucketChunks | None = None

@@ -5,8 +5,10 @@ arrays (``SampleShapes(ids, latent_shapes)``). ``ids`` are whatever integer keys
 (``MicroBatch.sample_ids`` carries them back); ``latent_shapes`` are the VAE latent (T', H', W') per sample, images
 having T' = 1.
 
-``from_json`` reads the simple interchange form ``{"ids": [...], "latent_shapes": [[T', H', W'], ...]}`` (ids
-optional, defaulting to 0..n-1), or a list of records that each hold ``"latent_shape"`` (and optionally ``"id"``).
+``from_pixel_csv`` reads a CSV of clip and image sizes in pixels (header ``frames,height,width``), so a user can
+plan before encoding anything. ``from_json`` reads the simple interchange form ``{"ids": [...], "latent_shapes":
+[[T', H', W'], ...]}`` (ids optional, defaulting to 0..n-1), or a list of records that each hold
+``"latent_shape"`` (and optionally ``"id"``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,41 @@ class SampleShapes:
     def from_arrays(cls, latent_shapes: Any, ids: Any | None = None) -> SampleShapes:
         shapes = np.asarray(latent_shapes, dtype=np.int64)
         return cls(np.arange(len(shapes)) if ids is None else np.asarray(ids), shapes)
+
+    @classmethod
+    def from_pixel_csv(cls, path: str | Path, vae_stride: tuple[int, int, int], grid: tuple[int, int]) -> SampleShapes:
+        """Samples from a CSV with the header ``frames,height,width`` (pixels; frames 1 for an image).
+
+        Each size becomes the latent the data pipeline would make of it: frames cut to 1 + a multiple of the VAE's
+        time stride, height and width cropped to multiples of ``grid`` (VAE stride × patch), then divided by the
+        VAE strides. Errors name the file, the line and what is valid.
+        """
+        import csv
+
+        path = Path(path)
+        try:
+            rows = list(csv.reader(path.read_text().splitlines()))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read the shapes CSV: {exc}") from None
+        if not rows or [c.strip().lower() for c in rows[0]] != ["frames", "height", "width"]:
+            raise ValueError(f"{path}: line 1 must be the header 'frames,height,width' (pixel sizes)")
+        st, sh, sw = vae_stride
+        pixels = []
+        for line, row in enumerate(rows[1:], start=2):
+            try:
+                f, h, w = (int(v) for v in row)
+            except ValueError:
+                raise ValueError(f"{path}: line {line}: expected integers frames,height,width, got {row}") from None
+            if f < 1 or h < grid[0] or w < grid[1]:
+                raise ValueError(
+                    f"{path}: line {line}: {f}x{h}x{w} is too small: frames >= 1, height >= {grid[0]}, "
+                    f"width >= {grid[1]} pixels"
+                )
+            pixels.append((1 + (f - 1) // st * st, h // grid[0] * grid[0], w // grid[1] * grid[1]))
+        if not pixels:
+            raise ValueError(f"{path}: no samples after the header")
+        p = np.asarray(pixels, dtype=np.int64)
+        return cls.from_arrays(np.stack([(p[:, 0] - 1) // st + 1, p[:, 1] // sh, p[:, 2] // sw], axis=1))
 
     @classmethod
     def from_json(cls, path: str | Path) -> SampleShapes:

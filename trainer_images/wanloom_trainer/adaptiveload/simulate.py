@@ -82,7 +82,11 @@ def synthetic_index(variant: WanVariant, n: int, seed: int = 0, mix: MixSpec | N
 
 @dataclass(frozen=True)
 class SimResult:
-    """Averages over the simulated steps; times in the cost model's unit (seconds for fitted/FLOP-rate models)."""
+    """Averages over the simulated steps; times in the cost model's unit (seconds for fitted/FLOP-rate models).
+
+    ``mean_cv`` is the CV across ranks of the *useful* compute (real samples only: padding rows, padding tokens and
+    dummy micro-batches are not load); ``padding_fraction`` is the share of the predicted compute spent on them.
+    """
 
     policy: str
     layout: str
@@ -96,6 +100,7 @@ class SimResult:
     mean_step_time: float
     mean_slots: float
     straggler_overhead: float
+    padding_fraction: float = 0.0
 
 
 def simulate(planner: Planner, steps: int, true_cost: CostModel | None = None, first_step: int = 0) -> SimResult:
@@ -109,11 +114,15 @@ def simulate(planner: Planner, steps: int, true_cost: CostModel | None = None, f
         cost = np.asarray(true_cost.sample_cost(facts.tokens), dtype=np.float64)
         facts = replace(facts, cost=cost, overhead=float(true_cost.overhead))
     overhead = facts.overhead
-    cvs, times, idle, slots, straggle, tokens, samples = [], [], [], [], [], 0, 0
+    cvs, times, idle, slots, straggle, tokens, samples, padding, compute = [], [], [], [], [], 0, 0, 0.0, 0.0
     for step in range(first_step, first_step + steps):
         a = planner.assign(step)
         grid = cost_grid(a, facts)
-        cvs.append(metrics.compute_load_cv(grid))
+        useful = np.zeros_like(grid)
+        np.add.at(useful, (a.owner[a.real], a.slot[a.real]), facts.cost[a.rows.bucket[a.real]])
+        cvs.append(metrics.compute_load_cv(useful))
+        padding += float(grid.sum() - useful.sum())
+        compute += float(grid.sum())
         times.append(metrics.step_time(grid, overhead, cfg.sync))
         idle.append(metrics.idle_fraction(grid, overhead, cfg.sync))
         straggle.append(metrics.straggler_overhead(grid.sum(axis=1) + overhead * grid.shape[1]))
@@ -134,4 +143,5 @@ def simulate(planner: Planner, steps: int, true_cost: CostModel | None = None, f
         mean_step_time=total / steps,
         mean_slots=float(np.mean(slots)),
         straggler_overhead=float(np.mean(straggle)),
+        padding_fraction=padding / compute if compute > 0 else 0.0,
     )

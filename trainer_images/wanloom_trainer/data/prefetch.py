@@ -8,6 +8,9 @@ hands them out in order::
         for mb in step:                     # LoadedMicroBatch, waits only if its load is still running
             loss += step_fn(mb.batch.latents, mb.batch.text_embeds, mb.timesteps, mb.weights, mb.expert)
 
+A packed micro-batch (``MicroBatch.packed``) loads each sample at its own bucket shape: ``batch`` is then a tuple
+of single-row batches, one per planned sample in row order (a dummy: one placeholder row).
+
 Determinism: the loader adds no randomness; the rows are exactly the plan's, and plans are a pure function of
 (seed, step). So the loader's checkpoint state is the next step to run plus the bad-sample count
 (``state_dict``); on resume the trainer rebuilds its plan iterator from that step and the prefetcher checks that
@@ -37,13 +40,18 @@ class LoadedMicroBatch:
     Attributes:
         step: global step; index: position among this rank's micro-batches of the step.
         micro_batch: the plan's ``MicroBatch`` (sample_ids, latent_shape, expert, timesteps, weights).
-        batch: the loaded rows (``LatentBatch``; row j stands for planned row ``batch.positions[j]``).
+        batch: the loaded rows (``LatentBatch``; row j stands for planned row ``batch.positions[j]``); packed: one
+            single-row ``LatentBatch`` per planned sample, in row order.
     """
 
     step: int
     index: int
     micro_batch: Any
-    batch: LatentBatch
+    batch: LatentBatch | tuple[LatentBatch, ...]
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.batch, tuple)
 
     @property
     def expert(self) -> int:
@@ -51,12 +59,19 @@ class LoadedMicroBatch:
 
     @property
     def timesteps(self) -> np.ndarray:
-        """float32 [b]: the planned t of each loaded row."""
+        """float32 [b]: the planned t of each loaded row (packed: of each segment)."""
+        if self.packed:
+            return np.asarray(self.micro_batch.timesteps or (_PLACEHOLDER_T,) * len(self.batch), dtype=np.float32)
         return self._per_row(self.micro_batch.timesteps, _PLACEHOLDER_T)
 
     @property
     def weights(self) -> np.ndarray:
-        """float32 [b]: the planned loss weight of each row, 0 where the row is not valid (padding, bad sample)."""
+        """float32 [b]: the planned loss weight of each row (packed: of each segment), 0 where the row is not valid
+        (padding, bad sample)."""
+        if self.packed:  # a dummy's placeholder segment has no planned weight
+            valid = np.array([bool(seg.valid[0]) for seg in self.batch])
+            planned = np.asarray(self.micro_batch.weights or (0.0,) * len(valid), dtype=np.float32)
+            return np.where(valid, planned, 0.0).astype(np.float32)
         return np.where(self.batch.valid, self._per_row(self.micro_batch.weights, 0.0), 0.0).astype(np.float32)
 
     @property
@@ -144,9 +159,12 @@ class PlanPrefetcher:
         self._queue.append((step, i, self._pool.submit(self._load, mb)))
         return True
 
-    def _load(self, mb: Any) -> LatentBatch:
+    def _load(self, mb: Any) -> LatentBatch | tuple[LatentBatch, ...]:
         if not mb.sample_ids:
-            return self.dataset.placeholder(tuple(mb.latent_shape))
+            placeholder = self.dataset.placeholder(tuple(mb.latent_shape))
+            return (placeholder,) if mb.packed is not None else placeholder
+        if mb.packed is not None:
+            return tuple(self.dataset.load_each(mb.sample_ids, mb.packed.sample_shapes))
         return self.dataset.load(mb.sample_ids, tuple(mb.latent_shape))
 
     def _top_up(self) -> None:

@@ -162,6 +162,28 @@ class LatentDataset:
                 rows.append(_Sample(fit_latents(got.latents, target), got.text, _fit_opt(got.condition, target)))
         return self._assemble(ids, rows, target)
 
+    def load_each(self, sample_ids: Any, latent_shapes: Any) -> list[LatentBatch]:
+        """One single-row batch per sample, each fitted to its own shape (a packed micro-batch's segments). The
+        samples are fetched together; a bad one comes back as an invalid zero row of its shape (never dropped: its
+        place in the packed row is planned)."""
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        shapes = [tuple(int(v) for v in s) for s in latent_shapes]
+        if len(shapes) != len(ids):
+            raise ValueError(f"{len(ids)} sample ids but {len(shapes)} latent shapes")
+        self._target_shape(ids, shapes[0] if shapes else None)  # range check
+        unique = list(dict.fromkeys(ids.tolist()))
+        fetched = dict(zip(unique, self._pool.map(self._fetch, unique), strict=True))
+        out = []
+        for j, (i, shape) in enumerate(zip(ids.tolist(), shapes, strict=True)):
+            got = fetched[i]
+            if isinstance(got, _BadSample):
+                self.budget.record(i, got.reason, got.detail)
+                row = None
+            else:
+                row = _Sample(fit_latents(got.latents, shape), got.text, _fit_opt(got.condition, shape))
+            out.append(self._stack([row], np.array([i if row else -1]), np.array([j]), shape))
+        return out
+
     def placeholder(self, latent_shape: tuple[int, int, int], rows: int = 1) -> LatentBatch:
         """Zero rows of ``latent_shape`` marked invalid: the planner's dummy micro-batches (no sample ids)."""
         empty = np.full(rows, -1, dtype=np.int64)

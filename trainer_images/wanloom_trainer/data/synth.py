@@ -152,8 +152,7 @@ def synth_sample(
 ) -> EncodedSample:
     """Sample ``i`` of the synthetic dataset ``seed`` (depends on nothing else)."""
     rng = np.random.default_rng([seed, i])
-    weights = np.array([m.weight for m in mixture], dtype=np.float64)
-    m = mixture[int(rng.choice(len(mixture), p=weights / weights.sum()))]
+    m = _draw_entry(rng, mixture)
     shape = variant.latent_shape(m.frames, m.height, m.width)
     k = int(rng.integers(PROTOTYPES))
     latents = bank.render(k, shape) + NOISE * rng.standard_normal((variant.out_channels, *shape), dtype=np.float32)
@@ -170,6 +169,21 @@ def synth_sample(
         fps=16.0 if m.frames > 1 else 0.0,
         caption=f"prototype {k}",
     )
+
+
+def _draw_entry(rng: np.random.Generator, mixture: tuple[ShapeMix, ...]) -> ShapeMix:
+    weights = np.array([m.weight for m in mixture], dtype=np.float64)
+    return mixture[int(rng.choice(len(mixture), p=weights / weights.sum()))]
+
+
+def synthetic_pixel_shapes(
+    variant: WanVariant, samples: int, seed: int, mixture: tuple[ShapeMix, ...] | None = None
+) -> np.ndarray:
+    """(frames, height, width) int64 [samples, 3] of the synthetic dataset ``write_synthetic`` would write: the same
+    draws, without rendering anything (``wanloom plan`` before the data exists)."""
+    mixture = mixture or DEFAULT_MIXTURES[variant.name]
+    entries = [_draw_entry(np.random.default_rng([seed, i]), mixture) for i in range(samples)]
+    return np.array([(m.frames, m.height, m.width) for m in entries], dtype=np.int64).reshape(-1, 3)
 
 
 def i2v_condition(latents: np.ndarray, condition_channels: int) -> np.ndarray | None:

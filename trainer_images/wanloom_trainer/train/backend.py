@@ -63,10 +63,11 @@ class RankRows:
 
 @dataclass(frozen=True)
 class Slot:
-    """Micro-batch slot k: one expert; ``ranks`` maps each rank this process feeds to its rows."""
+    """Micro-batch slot k: one expert; ``ranks`` maps each rank this process feeds to its rows, or to its packed
+    row (``train.packing.PackedRows``: the JAX backend's balanced layout)."""
 
     expert: int
-    ranks: Mapping[int, RankRows]
+    ranks: Mapping[int, Any]
 
 
 @dataclass(frozen=True)

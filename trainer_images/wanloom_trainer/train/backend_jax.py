@@ -8,7 +8,9 @@ unsharded expert; a restore reads straight into that layout without initialising
 Host → device: a slot's rows arrive per data-parallel rank; the global batch [R·b, ...] is assembled with
 ``jax.make_array_from_callback``, which asks each process only for the rows of the devices it owns (the same call
 works for one process and for many). Rows are padded with zero-weight copies up to a power of two so the number
-of compiled programs stays small (one per (rows, latent shape), shared by both experts).
+of compiled programs stays small (one per (rows, latent shape), shared by both experts). A packed slot
+(``train.packing.PackedRows``, one row per rank) is one program per row geometry (row tokens, segment slots,
+longest segment), whatever shapes its samples have.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from wanloom_trainer.parallel.context_attention import context_parallel_attentio
 from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh, runs_mosaic
 from wanloom_trainer.parallel.sharded_adaln import sharded_adaln
 from wanloom_trainer.train.backend import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
+from wanloom_trainer.train.packing import PackedRows
 from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
 
 # TrainingJob remat names → the model's jax.checkpoint policies (model.wan_nnx.REMAT_POLICIES).
@@ -210,7 +213,8 @@ class JaxBackend:
             e = slot.expert
             if grads[e] is None:
                 grads[e] = self.step_fns.zeros(state.params[e])
-            grads[e], loss = self.step_fns.accumulate(state.params[e], grads[e], self._device_batch(slot))
+            batch, max_segment = self._device_batch(slot)
+            grads[e], loss = self.step_fns.accumulate(state.params[e], grads[e], batch, max_segment)
             loss_sums[e].append(loss)
         return grads, [float(sum(float(x) for x in sums)) for sums in loss_sums]
 
@@ -240,7 +244,8 @@ class JaxBackend:
 
     def evaluate(self, state: JaxState, slot: Slot) -> float:
         """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
-        return float(self.step_fns.evaluate(state.params[slot.expert], self._device_batch(slot)))
+        batch, max_segment = self._device_batch(slot)
+        return float(self.step_fns.evaluate(state.params[slot.expert], batch, max_segment))
 
     def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
         if self._checkpointer is None:
@@ -286,12 +291,14 @@ class JaxBackend:
 
     # -- host → device ---------------------------------------------------------------------------------------------
 
-    def _device_batch(self, slot: Slot) -> dict[str, jax.Array]:
-        """The slot as global arrays [R·b', ...] sharded over (data, fsdp), rows padded to b' = 2^k ≥ b."""
-        rows = {r.rows for r in slot.ranks.values()}
-        if len(rows) != 1:
-            raise ValueError(f"an spmd slot must give every rank the same rows, got {sorted(rows)}")
-        b = pad_rows(rows.pop())
+    def _device_batch(self, slot: Slot) -> tuple[dict[str, jax.Array], int]:
+        """The slot as global arrays [R·b', ...] sharded over (data, fsdp), rows padded to b' = 2^k ≥ b, and the
+        static longest-segment bound of a packed slot (0 otherwise)."""
+        geometry = {_geometry(rr) for rr in slot.ranks.values()}
+        if len(geometry) != 1:
+            raise ValueError(f"an spmd slot must give every rank the same rows and shapes, got {sorted(geometry)}")
+        rows, max_segment = geometry.pop()[:2]
+        b = pad_rows(rows)
         padded = {rank: _pad(_host_arrays(rr), b) for rank, rr in slot.ranks.items()}
         num_ranks = self.config.parallel.batch_ranks
         sharding = self.shardings.batch_b
@@ -302,10 +309,25 @@ class JaxBackend:
             out[key] = jax.make_array_from_callback(
                 shape, sharding, lambda index, key=key: _rows_for(padded, key, index[0], b)
             )
-        return out
+        return out, max_segment
 
 
-def _host_arrays(rows: RankRows) -> dict[str, np.ndarray]:
+def _geometry(rows: RankRows | PackedRows) -> tuple[int, ...]:
+    """(rows, longest segment, shapes...) that one compiled program fixes."""
+    if isinstance(rows, PackedRows):
+        return (rows.rows, rows.max_segment_tokens, *rows.segment_ids.shape[1:], *rows.timesteps.shape[1:])
+    return (rows.rows, 0, *rows.latents.shape[1:])
+
+
+_PACKED_KEYS = ("latents", "noise", "condition", "positions", "segment_ids", "text", "timesteps", "weights")
+
+
+def _host_arrays(rows: RankRows | PackedRows) -> dict[str, np.ndarray]:
+    if isinstance(rows, PackedRows):
+        arrays = {k: getattr(rows, k) for k in _PACKED_KEYS if getattr(rows, k) is not None}
+        if rows.clean_first_frame is not None:
+            arrays["clean_first_frame"] = rows.clean_first_frame
+        return arrays
     arrays = {
         "latents": rows.latents,
         "text": rows.text,

@@ -3,7 +3,10 @@
 What is compiled is what the trainer runs: the job's mesh (data × fsdp × context × tensor over the tpu7x topology's
 devices, a hybrid mesh across slices), its remat policy, kernels and attention, and for every shape bucket the
 micro-batch AdaptiveLoad gives one data-parallel rank (``memoryBudgetTokens // tokens`` rows, padded to a power of
-two as the backend pads them). Both experts share one architecture and so one program: the gradient accumulation
+two as the backend pads them); with the balanced scheduler the trainer packs (``adaptiveload.packing``), so the
+packed program is compiled too, at its largest geometry: one row of ``memoryBudgetTokens`` tokens per rank, as many
+segment slots as the smallest bucket can fill, the longest bucket as the segment bound. Both experts share one
+architecture and so one program: the gradient accumulation
 (forward + backward of a slot) and the AdamW update are compiled once each and their memory is added to what stays
 resident, both experts' parameters and optimizer states. No parameter is allocated.
 
@@ -172,6 +175,41 @@ def _batch(backend: Any, config: TrainConfig, latent: tuple[int, ...], rows: int
     return batch
 
 
+def _packed_batch(backend: Any, config: TrainConfig, row_tokens: int, groups: int) -> dict[str, Any]:
+    """Abstract global arrays of one packed slot (``train.packing.PackedRows``, one row per rank)."""
+    import jax
+    import jax.numpy as jnp
+
+    wan = config.model.wan
+    ranks, q = config.parallel.batch_ranks, math.prod(wan.patch_size)
+    spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(
+        (ranks, *shape), dtype, sharding=backend.shardings.batch_b
+    )
+    batch = {
+        "latents": spec(row_tokens, q, wan.out_channels),
+        "noise": spec(row_tokens, q, wan.out_channels),
+        "positions": spec(row_tokens, 3, dtype=jnp.int32),
+        "segment_ids": spec(row_tokens, dtype=jnp.int32),
+        "text": spec(groups, wan.text_len, wan.text_dim),
+        "timesteps": spec(groups),
+        "weights": spec(groups),
+    }
+    if wan.in_channels > wan.out_channels:
+        batch["condition"] = spec(row_tokens, q, wan.in_channels - wan.out_channels)
+    if wan.per_token_timesteps:
+        batch["clean_first_frame"] = spec(row_tokens)
+    return batch
+
+
+def packed_geometry(config: TrainConfig, tokens: np.ndarray) -> tuple[int, int, int]:
+    """(row tokens, segment slots, longest segment) of the largest packed program over buckets of ``tokens``."""
+    multiple = config.parallel.context * config.parallel.tensor
+    row = -(-config.adaptive_load.memory_budget_tokens // multiple) * multiple
+    groups = 1 << int(row // int(tokens.min())).bit_length()  # as many samples as fit, plus the padding slot
+    longest = min(row, 1 << (int(tokens.max()) - 1).bit_length())
+    return row, groups, longest
+
+
 def _memory(compiled: Any) -> tuple[int, int, int, int]:
     m = compiled.memory_analysis()
     return m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes
@@ -231,6 +269,15 @@ def compile_job(
         seconds = time.perf_counter() - start
         shape = (int(latent[0]), int(latent[1]), int(latent[2]))
         programs.append(ProgramMemory("accumulate", shape, rows, int(tokens), seconds, args, out, alias, temp, peak))
+    if config.adaptive_load.enabled and config.adaptive_load.scheduler == "balanced":
+        row, groups, longest = packed_geometry(config, tokens_for_latents(config.model.wan, shapes))
+        start = time.perf_counter()
+        batch = _packed_batch(backend, config, row, groups)
+        lowered = backend.step_fns.accumulate.lower(params, params, batch, longest)
+        args, out, alias, temp = _memory(lowered.compile())
+        peak = resident - param_bytes + args + temp + out - alias
+        seconds = time.perf_counter() - start
+        programs.append(ProgramMemory("accumulate-packed", (0, 0, 0), 1, row, seconds, args, out, alias, temp, peak))
     start = time.perf_counter()
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=backend.shardings.replicated)
     compiled = backend.step_fns.update.lower(params, opt, params, lr).compile()

@@ -17,6 +17,7 @@ from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.routing import loss_weights
 from wanloom_trainer.train.backend import RankRows, Slot
 from wanloom_trainer.train.objective import batch_noise, clean_first_frames
+from wanloom_trainer.train.packing import PackedRows, pack_rows
 
 
 def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any:
@@ -32,16 +33,23 @@ def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any
 
 
 def rank_rows(
-    loaded: Any, *, seed: int, step: int, loss_weighting: str, image_to_video: float | None = None
+    batch: Any,
+    timesteps: np.ndarray,
+    weights: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    loss_weighting: str,
+    image_to_video: float | None = None,
 ) -> RankRows:
-    """A loaded micro-batch (``data.LoadedMicroBatch``) as one rank's rows, with its noise and loss weights.
+    """Loaded rows (``data.LatentBatch``) with their planned timesteps and weights as one rank's rows, with their
+    noise and loss weights.
 
     ``image_to_video``: for a unified TI2V model, the share of video rows whose first frame is kept clean
     (``objective.clean_first_frames``); None for the other models (no per-token timesteps).
     """
-    batch = loaded.batch
-    timesteps = loaded.timesteps.astype(np.float32)
-    weights = (loaded.weights * loss_weights(timesteps, loss_weighting)).astype(np.float32)
+    timesteps = timesteps.astype(np.float32)
+    weights = (weights * loss_weights(timesteps, loss_weighting)).astype(np.float32)
     clean = None
     if image_to_video is not None:
         clean = clean_first_frames(seed, step, batch.sample_ids, batch.latents.shape[2], image_to_video)
@@ -57,6 +65,22 @@ def rank_rows(
     )
 
 
+def loaded_rows(loaded: Any, *, seed: int, patch: tuple[int, int, int], **options: Any) -> RankRows | PackedRows:
+    """A loaded micro-batch (``data.LoadedMicroBatch``) as one rank's rows; a packed one as its packed row.
+    ``options``: ``rank_rows``'s keyword arguments other than ``seed`` and ``step``."""
+    if not loaded.packed:
+        return rank_rows(loaded.batch, loaded.timesteps, loaded.weights, seed=seed, step=loaded.step, **options)
+    t, w = loaded.timesteps, loaded.weights
+    segments = [
+        rank_rows(seg, t[j : j + 1], w[j : j + 1], seed=seed, step=loaded.step, **options)
+        for j, seg in enumerate(loaded.batch)
+    ]
+    row = loaded.micro_batch.packed
+    return pack_rows(
+        [segments], row_tokens=row.row_tokens, groups=row.groups, patch=patch, max_segment_tokens=row.max_segment_tokens
+    )
+
+
 def step_slots(
     step_data: Sequence[Any],
     ranks: Sequence[int],
@@ -64,11 +88,12 @@ def step_slots(
     seed: int,
     loss_weighting: str,
     num_experts: int,
+    patch: tuple[int, int, int],
     image_to_video: float | None = None,
 ) -> tuple[list[Slot], tuple[int, ...]]:
     """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
     the planned samples per expert these ranks could not load (skipped: their rows carry weight 0).
-    ``image_to_video``: as for ``rank_rows``."""
+    ``patch``: the model's patch size (packed micro-batches); ``image_to_video``: as for ``rank_rows``."""
     per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
@@ -81,11 +106,8 @@ def step_slots(
         experts = {mb.expert for mb in loaded}
         if len(experts) != 1:
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
-        step = loaded[0].step
-        rows = {
-            r: rank_rows(mb, seed=seed, step=step, loss_weighting=loss_weighting, image_to_video=image_to_video)
-            for r, mb in zip(ranks, loaded, strict=True)
-        }
+        options = {"loss_weighting": loss_weighting, "image_to_video": image_to_video}
+        rows = {r: loaded_rows(mb, seed=seed, patch=patch, **options) for r, mb in zip(ranks, loaded, strict=True)}
         slots.append(Slot(expert=experts.pop(), ranks=rows))
     return slots, tuple(skipped)
 

@@ -93,6 +93,8 @@ def run(
         dataset = open_data(config, backend, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage)
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
+        for warning in planner.warnings if backend.process_index == 0 else ():
+            log.warning("adaptiveLoad: %s", warning)
         state, start, meta = initial_state(config, backend)  # 4. state
         reporter = Reporter(
             config, metrics=metrics, process_index=backend.process_index, start_step=start, progress=progress
@@ -228,7 +230,7 @@ class _Loop:
         plan = step_data[0].plan
         slots, skipped = step_slots(
             step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting,
-            num_experts=cfg.model.num_experts,
+            num_experts=cfg.model.num_experts, patch=cfg.model.wan.patch_size,
             image_to_video=cfg.image_to_video_fraction if cfg.model.wan.per_token_timesteps else None,
         )  # fmt: skip
         data_wait = time.perf_counter() - started

@@ -2,13 +2,14 @@
 
 One flow-matching loss (``flow_matching_loss``) serves training and evaluation. A step is three kinds of calls:
 
-- ``accumulate(params_e, grads_e, batch)``: forward + backward of one micro-batch slot through expert e, adding
-  its gradient to e's accumulator (donated). One compiled program per (rows, latent shape); the two experts share
-  it, since they have the same structure.
+- ``accumulate(params_e, grads_e, batch, max_segment_tokens)``: forward + backward of one micro-batch slot through
+  expert e, adding its gradient to e's accumulator (donated). One compiled program per (rows, latent shape), or per
+  packed row geometry (``max_segment_tokens`` is static: it sizes the attention kernel's grid); the two experts
+  share it, since they have the same structure.
 - ``update(params_e, opt_e, grads_e, lr)``: optional global-norm clipping, AdamW moments, decoupled weight decay,
   ``params -= lr · update``; donates everything it replaces. Called only for experts that received samples, so
   an idle expert's parameters and moments are not touched at all.
-- ``evaluate(params_e, batch)``: the same loss without gradients.
+- ``evaluate(params_e, batch, max_segment_tokens)``: the same loss without gradients.
 
 ``batch`` is a dict of arrays (``BATCH_KEYS``): latents/noise [b, C, T', H', W'], text [b, L, D], timesteps [b]
 (float32), weights [b]; for I2V-A14B a ``condition`` [b, Cc, T', H', W'] appended to x_t's channels, and for a
@@ -150,11 +151,14 @@ def make_step_fns(
     parameters (FSDP; gradients use the parameters') and the optimizer state; None lets XLA propagate."""
     tx = moment_transform(opt)
 
-    def loss_of(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return flow_matching_loss(nnx.merge(graphdef, params), batch)
+    def loss_of(params: Any, batch: Batch, max_segment_tokens: int) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, params)
+        if "segment_ids" in batch:
+            return packed_flow_matching_loss(model, batch, max_segment_tokens)
+        return flow_matching_loss(model, batch)
 
-    def accumulate(params: Any, grads: Any, batch: Batch) -> tuple[Any, jax.Array]:
-        (loss_sum, _), g = jax.value_and_grad(loss_of, has_aux=True)(params, batch)
+    def accumulate(params: Any, grads: Any, batch: Batch, max_segment_tokens: int = 0) -> tuple[Any, jax.Array]:
+        (loss_sum, _), g = jax.value_and_grad(loss_of, has_aux=True)(params, batch, max_segment_tokens)
         return jax.tree.map(jnp.add, grads, g), loss_sum
 
     def update(params: Any, opt_state: Any, grads: Any, lr: jax.Array) -> tuple[Any, Any, jax.Array]:
@@ -166,21 +170,24 @@ def make_step_fns(
     def zeros(params: Any) -> Any:
         return jax.tree.map(jnp.zeros_like, params)
 
-    def evaluate(params: Any, batch: Batch) -> jax.Array:
-        return loss_of(params, batch)[0]
+    def evaluate(params: Any, batch: Batch, max_segment_tokens: int = 0) -> jax.Array:
+        return loss_of(params, batch, max_segment_tokens)[0]
 
     sharded = param_shardings is not None
     return StepFns(
         zeros=jax.jit(zeros, out_shardings=param_shardings),
         accumulate=jax.jit(
-            accumulate, donate_argnums=(1,), out_shardings=(param_shardings, replicated) if sharded else None
+            accumulate,
+            donate_argnums=(1,),
+            static_argnums=(3,),
+            out_shardings=(param_shardings, replicated) if sharded else None,
         ),
         update=jax.jit(
             update,
             donate_argnums=(0, 1),
             out_shardings=(param_shardings, opt_shardings, replicated) if sharded else None,
         ),
-        evaluate=jax.jit(evaluate),
+        evaluate=jax.jit(evaluate, static_argnums=(2,)),
     )
 
 
