@@ -1,20 +1,27 @@
-"""AdaptiveLoad balance: equal-token batches vs the paper's dual-constraint rule vs the balanced scheduler.
+"""AdaptiveLoad balance in the modes the trainers run: equal-token batches vs the paper's rule vs balanced.
 
-Simulates training steps on a synthetic mixed image/video dataset whose shapes follow public corpus statistics
-(assumptions in ``wanloom_trainer.adaptiveload.simulate``) at 8, 16 and 64 data-parallel ranks (per-rank layout,
-PyTorch FSDP style), with step costs from
+Every policy gets the same samples per step (16 per data-parallel rank from the same seeded stream), and each
+configuration is simulated in the execution mode of one trainer:
 
-  (a) the analytic Wan2.2-A14B FLOP model at 40% of an H200's dense bf16 peak, plus 0.05 s per micro-batch, and
-  (b) a cost model fitted to this machine's measured training steps of the tiny Wan model (diffusers
-      ``WanTransformer3DModel``, CPU, one thread) on the same mix at 1/4 linear resolution.
+- ``gpu``: the PyTorch trainer's layout, per-rank micro-batches with FSDP collectives in every micro-batch
+  (lockstep: a step takes Σ over slots of the slowest rank), memoryBudgetTokens 151,200 (two 720p × 81 clips);
+- ``tpu``: the JAX trainer's layout, SPMD (every slot one program on every device): the baselines group each
+  bucket over all ranks, padding with zero-weight rows; balanced packs samples into one row per rank per slot;
+  memoryBudgetTokens 75,600 per data-parallel rank (one 720p × 81 clip over a context group of 4).
 
-Both synchronisation models are reported: "slowest rank" (one gradient sync per step: step time = max over ranks
-of the rank's total) and "lockstep" (FSDP collectives in every micro-batch: step time = Σ over micro-batch slots of
-the slowest rank's micro-batch). Also times the planning of one step for 1,024 ranks.
+Costs come from the analytic Wan2.2-T2V-A14B FLOP model (``flops.py``) at 40% of the device's dense bf16 peak plus a
+per-micro-batch overhead (0.05 s GPU, 0.02 s TPU); ratios do not depend on the rate. Two shape mixes: the reference
+mix of ``adaptiveload.simulate`` and a held-out one the planner was never tuned on (more images, more 720p, shorter
+clips). Reported per configuration: load CV over useful compute (padding is not load), padding share of compute,
+idle share of rank-time, throughput relative to equal tokens, micro-batches per rank.
+
+Planning cost at 1,024 ranks (16,384 samples): ``plan_local`` (what one process computes: the step's decisions and
+its own rank's micro-batches) on one core, and the time the training loop waits for its plan when planning runs in
+the ``PlansAhead`` thread and each step keeps the loop busy for 50 ms (a real A14B step takes seconds).
 
 Usage (writes benchmarks/results/adaptiveload_balance.{json,png}):
 
-    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/adaptiveload_balance.py [--steps 40]
+    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/adaptiveload_balance.py [--steps 8]
 """
 
 from __future__ import annotations
@@ -26,171 +33,146 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
-from wanloom_trainer.adaptiveload.cost_model import CostModel, FlopCost
+from wanloom_trainer.adaptiveload.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.shape_bench import fit_points, run_shape_bench, shape_grid
-from wanloom_trainer.adaptiveload.shape_index import SampleShapes
 from wanloom_trainer.adaptiveload.simulate import MixSpec, SimResult, simulate, synthetic_index
-from wanloom_trainer.config.variants import WanVariant, get_variant
+from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.flops import get_accelerator
 from wanloom_trainer.routing import Router, TimestepSampler
+from wanloom_trainer.train.plan_ahead import PlansAhead
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("equal-tokens", "paper", "balanced")
-SYNCS = ("step", "micro-batch")
-RANKS = (8, 16, 64)
-PER_RANK_BATCH = 16  # balanced: globalBatch = 16 × ranks
-A14B_MEMORY = 151_200  # two 720p×81 clips per micro-batch: H200 with full remat (assumption, see docs)
+RANKS = (16, 64, 1024)
+PER_RANK_SAMPLES = 16
 SAMPLES = 200_000
+A14B = get_variant("wan2.2-t2v-a14b")
+MIXES = {
+    "reference": MixSpec(),
+    "held-out": MixSpec(image_share=0.45, clip_720p_share=0.6, duration_mean_s=5.0, duration_log_sigma=0.8),
+}
 
 
-def routers() -> dict[str, Router]:
-    """The product default (per-sample joint routing, logit-normal t) and one expert per step."""
-    sampler = TimestepSampler("logit-normal")
-    return {"per-sample": Router(sampler, 0.875, "per-sample"), "per-batch": Router(sampler, 0.875, "per-batch")}
+def modes() -> dict[str, dict]:
+    gpu = FlopCost(A14B.name, 0.4 * get_accelerator("h200").peak_bf16_flops, a=0.05)
+    tpu_group = 4 * get_accelerator("tpu7x-tensorcore").peak_bf16_flops  # one data rank = a context group of 4
+    tpu = FlopCost(A14B.name, 0.4 * tpu_group, a=0.02)
+    return {
+        "gpu": {"layout": "per-rank", "memory": 151_200, "cost": gpu, "multiple": 1},
+        "tpu": {"layout": "spmd", "memory": 75_600, "cost": tpu, "multiple": 4},
+    }
 
 
-def run_grid(
-    index: SampleShapes, variant: WanVariant, cost: CostModel, memory: int, router: Router, steps: int
-) -> dict[tuple[int, str, str], SimResult]:
-    out = {}
-    for ranks in RANKS:
-        for policy in POLICIES:
-            for sync in SYNCS:
-                cfg = PlanConfig(ranks, policy, "per-rank", PER_RANK_BATCH * ranks, memory, sync=sync, seed=0)
-                out[(ranks, policy, sync)] = simulate(Planner(index, variant, cfg, cost, router), steps)
-    return out
+def router() -> Router:
+    """The A14B recipe default (uniform timesteps, shift 5, per-sample joint routing at t = 875)."""
+    return Router(TimestepSampler("uniform", shift=5.0), 0.875, "per-sample")
 
 
-def tiny_cost_model(index: SampleShapes, memory: int) -> tuple[CostModel, str, list]:
-    """Time real tiny-model training steps on this CPU and fit the cost model (auto: chosen by held-out error)."""
-    from wanloom_trainer.adaptiveload.buckets import derive_buckets
-    from wanloom_trainer.adaptiveload.torch_step import diffusers_step_fn
-
-    tiny = get_variant("tiny")
-    shapes = derive_buckets(index.latent_shapes).latent_shapes.tolist()
-    grid = shape_grid(tiny, shapes, memory, max_shapes=6, max_batches=3)
-    start = time.perf_counter()
-    points = run_shape_bench(diffusers_step_fn(tiny, threads=1), grid, tiny, warmup=1, repeats=5)
-    fit = fit_points(points)
-    took = time.perf_counter() - start
-    return fit.model, f"{len(points)} points in {took:.1f} s\n{fit.summary()}", points
+def planner(index, mode: dict, policy: str, ranks: int) -> Planner:  # type: ignore[no-untyped-def]
+    config = PlanConfig(
+        ranks, policy, mode["layout"], global_batch=PER_RANK_SAMPLES * ranks, memory_budget_tokens=mode["memory"],
+        seed=0, sequence_multiple=mode["multiple"], same_samples=True,
+    )  # fmt: skip
+    return Planner(index, A14B, config, mode["cost"], router())
 
 
-def planning_time(index: SampleShapes, variant: WanVariant, cost: CostModel, router: Router) -> dict[str, float]:
-    """Median milliseconds to plan one step for 1,024 ranks (8 samples each): decisions only, plus this rank's
-    plan objects (what one trainer process does), and all 1,024 ranks' plan objects."""
-    cfg = PlanConfig(1024, "balanced", "per-rank", 8 * 1024, A14B_MEMORY, seed=0)
-    planner = Planner(index, variant, cfg, cost, router)
-    planner.plan(0)  # builds the epoch permutation once, as a running trainer would have
-    out = {}
-    for name, fn in {
-        "assign": lambda s: planner.assign(s),
-        "assign+own rank": lambda s: planner.plan_rank(s, 7),
-        "full StepPlan": lambda s: planner.plan(s),
-    }.items():
-        times = []
-        for step in range(1, 21):
-            start = time.perf_counter()
-            fn(step)
-            times.append(1e3 * (time.perf_counter() - start))
-        out[name] = statistics.median(times)
-    return out
+def row(result: SimResult, base: SimResult) -> dict[str, float]:
+    return {
+        "load_cv": result.mean_cv,
+        "padding_fraction": result.padding_fraction,
+        "idle_fraction": max(0.0, result.idle_fraction),
+        "throughput_vs_equal_tokens": result.tokens_per_second / base.tokens_per_second,
+        "micro_batches_per_rank": result.mean_slots,
+    }
 
 
-def table(results: dict[tuple[int, str, str], SimResult]) -> str:
-    rows = [
-        "| ranks | policy | slowest rank: load CV | idle | tokens/s | × equal | lockstep: load CV | idle | tokens/s "
-        "| × equal |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+def planning(index, mode: dict, step_s: float = 0.05, steps: int = 20) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Milliseconds per step at 1,024 ranks: plan_local on one core, and the loop's wait with PlansAhead."""
+    p = planner(index, mode, "balanced", 1024)
+    p.plan_local(0, [7])  # the epoch permutation, built once as in a running trainer
+    times = []
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        p.plan_local(step, [7])
+        times.append(1e3 * (time.perf_counter() - start))
+    ahead = PlansAhead((p.plan_local(s, [7]) for s in range(steps + 1, 2 * steps + 1)), depth=2)
+    waits = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        next(ahead)
+        waits.append(1e3 * (time.perf_counter() - start))
+        time.sleep(step_s)  # the device-bound step
+    ahead.close()
+    return {"plan_local_ms": statistics.median(times), "loop_wait_ms": statistics.median(waits[1:])}
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| mix | mode | ranks | policy | load CV | padding | idle | × equal tokens | micro-batches/rank |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for ranks in RANKS:
-        base = {s: results[(ranks, "equal-tokens", s)].tokens_per_second for s in SYNCS}
-        for policy in POLICIES:
-            st, ls = results[(ranks, policy, "step")], results[(ranks, policy, "micro-batch")]
-            rows.append(
-                f"| {ranks} | {policy} | {st.mean_cv:.1%} | {st.idle_fraction:.1%} | {st.tokens_per_second:,.0f} | "
-                f"{st.tokens_per_second / base['step']:.2f} | {ls.mean_cv:.1%} | {ls.idle_fraction:.1%} | "
-                f"{ls.tokens_per_second:,.0f} | "
-                f"{ls.tokens_per_second / base['micro-batch']:.2f} |"
-            )
-    return "\n".join(rows)
+    for key, r in results.items():
+        mix, mode, ranks, policy = key.split("/")
+        lines.append(
+            f"| {mix} | {mode} | {ranks} | {policy} | {r['load_cv']:.1%} | {r['padding_fraction']:.1%} | "
+            f"{r['idle_fraction']:.1%} | {r['throughput_vs_equal_tokens']:.2f} | {r['micro_batches_per_rank']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[tuple[int, str, str], SimResult]], path: Path) -> None:
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    styles = {"a": "-", "b": "--"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"equal-tokens": "tab:gray", "paper": "tab:orange", "balanced": "tab:blue"}
-    for case, res in results.items():
-        for policy in POLICIES:
-            kw = {"color": colors[policy], "linestyle": styles[case], "marker": "o", "label": f"{policy} ({case})"}
-            axes[0].plot(RANKS, [100 * res[(r, policy, "micro-batch")].mean_cv for r in RANKS], **kw)
-            for ax, sync in zip(axes[1:], SYNCS, strict=True):
-                ratio = [
-                    res[(r, policy, sync)].tokens_per_second / res[(r, "equal-tokens", sync)].tokens_per_second
-                    for r in RANKS
-                ]
-                ax.plot(RANKS, ratio, **kw)
-    axes[0].set(title="compute-load CV across ranks, FSDP lockstep plans (%)", xlabel="ranks", xscale="log")
-    axes[1].set(title="throughput vs equal-token (slowest rank)", xlabel="ranks", xscale="log")
-    axes[2].set(title="throughput vs equal-token (FSDP lockstep)", xlabel="ranks", xscale="log")
-    for ax in axes:
+    for ax, mode in zip(axes, ("gpu", "tpu"), strict=True):
+        for mix, style in (("reference", "-"), ("held-out", "--")):
+            for policy in POLICIES:
+                ys = [results[f"{mix}/{mode}/{r}/{policy}"]["throughput_vs_equal_tokens"] for r in RANKS]
+                ax.plot(RANKS, ys, style, marker="o", color=colors[policy], label=f"{policy} ({mix})")
+        title = "GPU: per-rank lockstep" if mode == "gpu" else "TPU: SPMD (balanced = packed)"
+        ax.set(title=f"{title}, same samples", xlabel="data-parallel ranks", ylabel="throughput vs equal tokens")
+        ax.set_xscale("log")
         ax.minorticks_off()
         ax.set_xticks(RANKS, [str(r) for r in RANKS])
         ax.grid(alpha=0.3)
-    axes[1].axhline(1.3, color="k", lw=0.8, ls=":")
-    axes[2].axhline(1.3, color="k", lw=0.8, ls=":")
     axes[0].legend(fontsize=7)
-    fig.suptitle("AdaptiveLoad balance: (a) analytic Wan2.2-A14B FLOPs, (b) fitted tiny-model CPU timings")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="simulated steps per configuration")
+    parser.add_argument("--steps", type=int, default=8, help="simulated steps per configuration")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    a14b, tiny = get_variant("wan2.2-t2v-a14b"), get_variant("tiny")
-    peak = get_accelerator("h200").peak_bf16_flops
-    flop_cost = FlopCost(a14b.name, 0.4 * peak, a=0.05)
-    index_a = synthetic_index(a14b, SAMPLES, seed=0)
-
-    results: dict[str, dict] = {}
-    report: dict[str, object] = {"steps": args.steps, "samples": SAMPLES}
-    for name, router in routers().items():
-        res = run_grid(index_a, a14b, flop_cost, A14B_MEMORY, router, args.steps)
-        print(f"\n(a) analytic Wan2.2-A14B FLOPs, routing {name}\n{table(res)}")
-        report[f"a/{name}"] = {f"{r}/{p}/{s}": asdict(v) for (r, p, s), v in res.items()}
-        if name == "per-sample":
-            results["a"] = res
-
-    index_b = synthetic_index(tiny, SAMPLES, seed=0, mix=MixSpec(scale=4))
-    memory_b = 2 * int(max(tiny.tokens(*s) for s in np.unique(index_b.latent_shapes, axis=0)))
-    fitted, summary, points = tiny_cost_model(index_b, memory_b)
-    print(f"\n(b) tiny-model cost model fitted on this CPU ({summary})")
-    res_b = run_grid(index_b, tiny, fitted, memory_b, routers()["per-sample"], args.steps)
-    print(f"\n(b) fitted tiny-model timings, routing per-sample, memoryBudgetTokens {memory_b}\n{table(res_b)}")
-    results["b"] = res_b
-    report["b/per-sample"] = {f"{r}/{p}/{s}": asdict(v) for (r, p, s), v in res_b.items()}
-    report["b/fit"] = {"model": fitted.to_dict(), "summary": summary, "points": [asdict(p) for p in points]}
-
-    timing = planning_time(index_a, a14b, flop_cost, routers()["per-sample"])
-    print(
-        "\nplanning one step for 1,024 ranks (8,192 samples), median ms: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in timing.items())
-    )
-    report["planning_ms_1024_ranks"] = timing
-    (RESULTS / "adaptiveload_balance.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    results: dict[str, dict[str, float]] = {}
+    for mix_name, mix in MIXES.items():
+        index = synthetic_index(A14B, SAMPLES, seed=0 if mix_name == "reference" else 1, mix=mix)
+        for mode_name, mode in modes().items():
+            for ranks in RANKS:
+                sims = {p: simulate(planner(index, mode, p, ranks), args.steps) for p in POLICIES}
+                for policy, sim in sims.items():
+                    results[f"{mix_name}/{mode_name}/{ranks}/{policy}"] = row(sim, sims["equal-tokens"])
+    print(table(results))
+    index = synthetic_index(A14B, SAMPLES, seed=0)
+    timing = {name: planning(index, mode) for name, mode in modes().items()}
+    for name, t in timing.items():
+        print(f"planning at 1,024 ranks ({name}): plan_local {t['plan_local_ms']:.1f} ms on one core; "
+              f"the loop waits {t['loop_wait_ms']:.2f} ms per step")  # fmt: skip
+    report = {
+        "steps": args.steps,
+        "samples_per_rank": PER_RANK_SAMPLES,
+        "modes": {k: {**v, "cost": asdict(v["cost"])} for k, v in modes().items()},
+        "results": results,
+        "planning_1024_ranks": timing,
+    }
+    (RESULTS / "adaptiveload_balance.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(results, RESULTS / "adaptiveload_balance.png")
-    print(f"\nwrote {RESULTS / 'adaptiveload_balance.json'} and {RESULTS / 'adaptiveload_balance.png'}")
+    print(f"wrote {RESULTS / 'adaptiveload_balance.json'} and {RESULTS / 'adaptiveload_balance.png'}")
 
 
 if __name__ == "__main__":

@@ -57,15 +57,9 @@ def test_plan_is_a_function_of_seed_and_step(index, flop_cost, router):
     assert other.plan(9) != b.plan(9)
 
 
-def test_plan_rank_and_cost_grid_agree_with_full_plan(index, flop_cost, router):
+def test_cost_grid_agrees_with_full_plan(index, flop_cost, router):
     planner = make(index, flop_cost, router, "balanced", "per-rank")
-    plan = planner.plan(3)
-    for r in (0, 5):
-        rank_plan, n = planner.plan_rank(3, r)
-        assert rank_plan == plan.ranks[r] and n == plan.num_samples
-    np.testing.assert_allclose(planner.cost_grid(3), plan_cost_grid(plan))
-    with pytest.raises(ValueError, match="rank 8 is outside"):
-        planner.plan_rank(3, 8)
+    np.testing.assert_allclose(planner.cost_grid(3), plan_cost_grid(planner.plan(3)))
 
 
 def test_micro_batches_are_expert_and_shape_homogeneous(index, flop_cost, router):
@@ -133,3 +127,25 @@ def test_balanced_beats_paper_beats_equal_tokens_on_held_out_mix(sync):
 def test_balanced_cv_per_step(index, flop_cost, router):
     planner = make(index, flop_cost, router, "balanced", "per-rank", sync="step")
     assert max(compute_load_cv(planner.cost_grid(s)) for s in range(5)) < 0.05
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "spmd"])
+def test_local_plan_is_the_full_plan_seen_from_some_ranks(index, flop_cost, router, layout):
+    planner = make(index, flop_cost, router, "balanced", layout)
+    full = planner.plan(5)
+    local = planner.plan_local(5, [1, 6])
+    assert local.ranks == {1: full.ranks[1], 6: full.ranks[6]}
+    assert (local.step, local.num_samples, local.tokens) == (full.step, full.num_samples, full.tokens)
+    assert local.expert_samples == full.expert_samples and local.token_counts == full.token_counts
+    np.testing.assert_allclose(local.rank_costs, full.rank_costs)
+    with pytest.raises(ValueError, match=r"ranks \[8\] are outside \[0, 8\)"):
+        planner.plan_local(5, [8])
+
+
+def test_a_cost_model_with_invalid_costs_is_refused(index, router):
+    from wanloom_trainer.adaptiveload.cost_model import PowerCost
+
+    with pytest.raises(ValueError, match=r"predicts an invalid cost for bucket .* refit it"):
+        make(index, PowerCost(a=0.0, b=float("nan"), p=1.5), router, "balanced", "per-rank")
+    with pytest.raises(ValueError, match="per-call overhead"):
+        make(index, PowerCost(a=-1.0, b=1.0, p=1.5), router, "balanced", "per-rank")

@@ -41,11 +41,12 @@ def dataset(tmp_path_factory):
 
 def test_plan_prints_buckets_and_policies(tmp_path, dataset):
     out = run_plan(write_job(tmp_path, dataset, "{cpu: {nodes: 1, devicesPerNode: 4}}"))
-    assert "120 samples, 4 data-parallel ranks, layout spmd" in out
+    assert "120 samples, 4 data-parallel ranks, mode spmd" in out
+    assert "16 samples each for every policy" in out
     assert "analytic FLOPs" in out
     # tiny: uniform, shift 1, boundary 0.875 -> 12.5% of samples to the high-noise expert
     assert "routing: uniform timesteps, shift 1; expected share of samples: high-noise expert (t >= 875) 12.5%" in out
-    for word in ("latent (T,H,W)", "B equal", "B paper", "equal-tokens", "paper", "balanced *", "load CV"):
+    for word in ("latent (T,H,W)", "B equal", "B paper", "equal-tokens", "paper", "balanced *", "load CV", "padding"):
         assert word in out
 
 
@@ -70,7 +71,7 @@ def test_plan_reuses_a_stored_benchmark(tmp_path, dataset):
     save_points(bench, "tiny|cpu|d1f1c1t1", fake_points())
     out = run_plan(write_job(tmp_path, dataset, "{backend: torch, cpu: {nodes: 1}}"), bench)
     assert "shape benchmark" in out and "tiny|cpu|d1f1c1t1" in out and "held-out" in out
-    assert "layout per-rank" in out
+    assert "mode per-rank-lockstep" in out
 
 
 def test_bench_for_an_absent_accelerator_is_a_clear_error(tmp_path, dataset):
@@ -86,9 +87,57 @@ def test_bench_for_an_absent_accelerator_is_a_clear_error(tmp_path, dataset):
         run_plan(job, tmp_path / "bench.json")
 
 
-def test_missing_dataset_names_the_index(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no shape index"):
+def test_missing_dataset_names_the_index_and_the_alternatives(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no dataset index at .*nothing; plan with --shapes SHAPES.csv"):
         run_plan(write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1}}"))
+
+
+def test_plan_from_a_pixel_csv_in_the_backends_mode(tmp_path):
+    import json
+
+    csv = tmp_path / "shapes.csv"
+    rows = ["frames,height,width"] + [f"{1 + 8 * (i % 3)},{64 + 16 * (i % 2)},{97 + i % 5}" for i in range(40)]
+    csv.write_text("\n".join(rows) + "\n")
+    job = write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1, devicesPerNode: 4}}")
+    doc = json.loads(run_plan(job, shapes_csv=csv, as_json=True))
+    assert doc["mode"] == "spmd" and doc["ranks"] == 4 and doc["samples_per_step"] == 16
+    assert doc["expert_share"] == {"high_noise": pytest.approx(0.125), "low_noise": pytest.approx(0.875)}
+    assert set(doc["policies"]) == {"equal-tokens", "paper", "balanced"}
+    for metrics in doc["policies"].values():
+        assert set(metrics) == {
+            "load_cv", "padding_fraction", "idle_fraction", "throughput_vs_equal_tokens", "micro_batches_per_rank"
+        }  # fmt: skip
+    assert doc["policies"]["equal-tokens"]["throughput_vs_equal_tokens"] == 1.0
+    # packing leaves less padding than one bucket per slot on the same 16 samples per step
+    assert doc["policies"]["balanced"]["padding_fraction"] < doc["policies"]["equal-tokens"]["padding_fraction"]
+    assert doc["warnings"] == []  # 4 samples per rank, 40 samples for 16 per step
+
+
+def test_plan_warns_when_samples_repeat_or_ranks_starve(tmp_path):
+    import json
+
+    csv = tmp_path / "shapes.csv"
+    csv.write_text("frames,height,width\n" + "1,64,64\n" * 10)
+    job = write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1, devicesPerNode: 8}}")
+    warnings = json.loads(run_plan(job, shapes_csv=csv, as_json=True))["warnings"]
+    assert any("globalBatch 16 exceeds the dataset's 10 samples: samples repeat" in w for w in warnings)
+    assert any("gives 2 samples per data-parallel rank (8 ranks)" in w and ">= 32" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("f,h,w\n1,64,64\n", "line 1 must be the header 'frames,height,width'"),
+        ("frames,height,width\n1,64\n", "line 2: expected integers frames,height,width"),
+        ("frames,height,width\n1,8,64\n", "line 2: 1x8x64 is too small"),
+        ("frames,height,width\n", "no samples after the header"),
+    ],
+)
+def test_bad_shapes_csv_names_the_line(tmp_path, text, message):
+    csv = tmp_path / "bad.csv"
+    csv.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        run_plan(write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1}}"), shapes_csv=csv)
 
 
 def test_diffusers_step_runs_and_is_timed(tmp_path):

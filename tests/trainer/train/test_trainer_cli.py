@@ -28,11 +28,20 @@ def test_run_processes_needs_a_cpu_job() -> None:
     assert "--processes runs CPU jobs only" in result.output
 
 
-def test_plan_without_a_dataset_says_how_to_make_one(tmp_path: Path, monkeypatch) -> None:
+def test_plan_of_a_synthetic_job_needs_no_data(tmp_path: Path, monkeypatch) -> None:
+    """tiny-local generates its data when it runs; planning it first plans the samples it will generate."""
     monkeypatch.chdir(tmp_path)  # tiny-local's relative data path does not exist here
     result = CliRunner().invoke(app, ["plan", str(ROOT / "jobs" / "tiny-local.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "tiny-local: tiny, 32 samples, 1 data-parallel ranks, mode spmd" in result.output
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_plan_without_a_dataset_says_how_to_make_one(tmp_path: Path) -> None:
+    job = _job(tmp_path, str(tmp_path / "nothing"))
+    result = CliRunner().invoke(app, ["plan", str(job)])
     assert result.exit_code == 1
-    assert "index" in result.output
+    assert "no dataset index at" in result.output and "--shapes" in result.output
 
 
 def _job(tmp_path: Path, data_uri: str, *, synthetic: bool = False, max_bad: int | None = None) -> Path:

@@ -15,9 +15,10 @@ Per expert (slots are expert-homogeneous):
    capacities; identical samples of a bucket are water-filled in rounds, which places them exactly as one-by-one
    LPT would). Images and short clips, cheapest, come last and fill the gaps the long clips leave.
 3. **Few programs.** Rows are sorted by tokens and cut into slots of R, so a slot's rows are alike in length; the
-   slot's row length is its longest row rounded up to one of ``ROW_CLASSES`` lengths (multiples of M_mem / 8 and of
-   the sequence sharding), its segment slots a power of two, its longest-segment bound a power of two. Within a
-   slot, rows go to ranks by LPT on the ranks' running totals.
+   slot's row length is its longest row rounded up to a multiple of 1/``ROW_CLASSES`` of its power-of-two octave
+   (at most 8 lengths per octave, at most 12.5% padding from rounding) and of the sequence sharding, its segment
+   slots a power of two, its longest-segment bound a power of two. Within a slot, rows go to ranks by LPT on the
+   ranks' running totals.
 
 Predicted costs: a row costs Σ over its samples of the cost model's per-sample cost (attention is block-diagonal,
 so a sample costs what it costs alone, up to block rounding) plus its padding, a segment of its own.
@@ -160,9 +161,10 @@ def _slot_geometry(
     np.add.at(used, (rank_of_row[row_of], slot_of_row[row_of]), tokens)
     np.add.at(count, (rank_of_row[row_of], slot_of_row[row_of]), 1)
     np.maximum.at(longest, slot_of_row[row_of], tokens)
-    unit = int(_round_up(-(-memory_budget_tokens // ROW_CLASSES), sequence_multiple))
-    row_tokens = np.maximum(_round_up(used.max(axis=0), unit), sequence_multiple)
-    row_tokens = np.maximum(np.minimum(row_tokens, _round_up(memory_budget_tokens, sequence_multiple)), used.max(0))
+    need = np.maximum(used.max(axis=0), 1)
+    granule = _next_pow2(-(-need // ROW_CLASSES))
+    row_tokens = _round_up(need + (-need) % granule, sequence_multiple)  # up to a multiple of its granule
+    row_tokens = np.minimum(row_tokens, _round_up(memory_budget_tokens, sequence_multiple))  # never past the budget
     groups = _next_pow2(count.max(axis=0) + 1)
     max_segment = np.minimum(_next_pow2(longest), row_tokens)
     return PackedSlots(row_tokens, groups, max_segment, row_tokens[None, :] - used, np.zeros((num_ranks, num_slots)))

@@ -26,6 +26,8 @@ rank's predicted busy time in the cost model's unit (seconds for fitted or FLOP-
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +217,26 @@ class StepPlan:
     def tokens(self) -> int:
         return sum(r.tokens for r in self.ranks)
 
+    @property
+    def expert_samples(self) -> tuple[int, int]:
+        """Real samples per expert over all ranks."""
+        counts = [0, 0]
+        for rank in self.ranks:
+            for mb in rank.micro_batches:
+                counts[mb.expert] += mb.num_real
+        return counts[0], counts[1]
+
+    @property
+    def token_counts(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, real samples with that many tokens) over all ranks, for FLOP counts."""
+        counts = Counter(t for r in self.ranks for mb in r.micro_batches for t in mb.real_tokens)
+        return tuple(sorted(counts.items()))
+
+    @property
+    def rank_costs(self) -> tuple[float, ...]:
+        """Each rank's predicted busy time (``RankPlan.predicted_cost``)."""
+        return tuple(r.predicted_cost for r in self.ranks)
+
     def validate(self) -> None:
         """Check the layout invariants (module docstring); raise ValueError naming the violated one."""
         counts = {len(r.micro_batches) for r in self.ranks}
@@ -258,3 +280,33 @@ def _program_shape(mb: MicroBatch) -> tuple[Any, ...]:
     if mb.packed is not None:
         return ("packed", mb.packed.row_tokens, mb.packed.groups, mb.packed.max_segment_tokens)
     return (mb.latent_shape, mb.rows)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """Global step ``step`` as one trainer process needs it: its own ranks' micro-batches and the step's global
+    totals, built without materialising the other ranks' micro-batches (``Planner.plan_local``). Offers what the
+    driver reads of a ``StepPlan``.
+
+    Attributes:
+        step: global step index.
+        ranks: this process's data-parallel ranks → their RankPlans.
+        num_samples: real samples of the step over all ranks (the loss normaliser).
+        expert_samples: real samples per expert over all ranks (which experts update).
+        token_counts: (tokens, real samples) over all ranks (FLOPs and tokens/s).
+        rank_costs: every rank's predicted busy time (the predicted-imbalance metrics).
+        layout, policy: as in ``StepPlan``.
+    """
+
+    step: int
+    ranks: Mapping[int, RankPlan]
+    num_samples: int
+    expert_samples: tuple[int, int]
+    token_counts: tuple[tuple[int, int], ...]
+    rank_costs: tuple[float, ...]
+    layout: str = "per-rank"
+    policy: str = "balanced"
+
+    @property
+    def tokens(self) -> int:
+        return sum(t * n for t, n in self.token_counts)

@@ -22,6 +22,7 @@ micro-batch is then expert-homogeneous.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +48,7 @@ from wanloom_trainer.adaptiveload.layout import (
 )
 from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
 from wanloom_trainer.adaptiveload.packing import packed_assignment
-from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, RankPlan, StepPlan
+from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, LocalPlan, StepPlan
 from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
 from wanloom_trainer.adaptiveload.shape_index import SampleShapes
 from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
@@ -213,7 +214,7 @@ class Planner:
 
     def assign(self, step: int) -> Assignment:
         """The decisions of global step ``step`` as arrays: a pure function of the seed, the step and the fixed
-        inputs. This is the planning work; ``plan``/``plan_rank`` only turn it into objects."""
+        inputs. This is the planning work; ``plan``/``plan_local`` only turn it into objects."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         cfg, facts = self.config, self.facts
@@ -256,12 +257,27 @@ class Planner:
         ranks = tuple(materialise(a, self.facts))
         return StepPlan(step, ranks, a.num_samples, layout=self.config.layout, policy=self.config.policy)
 
-    def plan_rank(self, step: int, rank: int) -> tuple[RankPlan, int]:
-        """(this rank's plan, the step's global sample count): what one trainer process needs."""
-        if not 0 <= rank < self.config.num_ranks:
-            raise ValueError(f"rank {rank} is outside [0, {self.config.num_ranks})")
-        a = self.assign(step)
-        return materialise(a, self.facts, [rank])[0], a.num_samples
+    def plan_local(self, step: int, ranks: Sequence[int]) -> LocalPlan:
+        """What one trainer process needs of global step ``step``: the micro-batches of its ``ranks`` and the step's
+        global totals, without building the other ranks' plans (``LocalPlan``)."""
+        bad = [r for r in ranks if not 0 <= r < self.config.num_ranks]
+        if bad:
+            raise ValueError(f"ranks {bad} are outside [0, {self.config.num_ranks})")
+        a, facts = self.assign(step), self.facts
+        real_buckets = a.rows.bucket[a.real]
+        tokens, counts = np.unique(facts.tokens[real_buckets], return_counts=True)
+        experts = np.bincount(a.rows.expert[a.real], minlength=2)
+        rank_costs = cost_grid(a, facts).sum(axis=1) + facts.overhead * a.num_slots
+        return LocalPlan(
+            step=step,
+            ranks=dict(zip(ranks, materialise(a, facts, ranks), strict=True)),
+            num_samples=a.num_samples,
+            expert_samples=(int(experts[0]), int(experts[1])),
+            token_counts=tuple(zip(tokens.tolist(), counts.tolist(), strict=True)),
+            rank_costs=tuple(rank_costs.tolist()),
+            layout=self.config.layout,
+            policy=self.config.policy,
+        )
 
     def cost_grid(self, step: int) -> np.ndarray:
         """Predicted compute [R, K] per (rank, slot), without building the plan objects (metrics, simulation)."""

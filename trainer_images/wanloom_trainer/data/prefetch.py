@@ -20,7 +20,7 @@ the first plan it gets is that step.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +88,11 @@ class LoadedMicroBatch:
         return out
 
 
+def _holds(ranks: Any, rank: int) -> bool:
+    """A StepPlan lists every rank; a LocalPlan maps this process's ranks."""
+    return rank in ranks if isinstance(ranks, Mapping) else 0 <= rank < len(ranks)
+
+
 class StepData:
     """This rank's micro-batches of one step; iterate once, in order."""
 
@@ -110,7 +115,7 @@ class PlanPrefetcher:
 
     Args:
         dataset: the opened dataset.
-        plans: StepPlan objects in step order (e.g. ``planner.plan(s) for s in range(start, steps)``).
+        plans: StepPlan or LocalPlan objects in step order (e.g. ``planner.plan_local(s, ranks) for s in …``).
         rank: this process's data-parallel rank (index into ``plan.ranks``).
         depth: micro-batches kept loading ahead (``spec.data.prefetch``); 0 loads each when it is asked for.
         workers: threads loading micro-batches (each load fans out over the dataset's own reader threads).
@@ -139,8 +144,8 @@ class PlanPrefetcher:
                     "build the plan iterator from the checkpoint's step"
                 )
             self._expect_step = None
-            if self.rank >= len(plan.ranks):
-                raise ValueError(f"rank {self.rank} is not in step {plan.step}'s plan ({len(plan.ranks)} ranks)")
+            if not _holds(plan.ranks, self.rank):
+                raise ValueError(f"rank {self.rank} is not in step {plan.step}'s plan")
             self._ready_plans.append(plan)
             for i, mb in enumerate(plan.ranks[self.rank].micro_batches):
                 yield int(plan.step), i, mb

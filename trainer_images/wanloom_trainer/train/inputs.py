@@ -122,12 +122,3 @@ def renormalised(slots: list[Slot], factor: float) -> list[Slot]:
                         for r, rows in s.ranks.items()})
         for s in slots
     ]  # fmt: skip
-
-
-def expert_samples(plan: Any, num_experts: int) -> tuple[int, ...]:
-    """Real samples per expert over all ranks of a ``StepPlan``."""
-    counts = [0] * num_experts
-    for rank in plan.ranks:
-        for mb in rank.micro_batches:
-            counts[mb.expert] += mb.num_real
-    return tuple(counts)

@@ -22,13 +22,8 @@ _SHORT = {0: "hi", 1: "lo"}
 
 
 def plan_flops(plan: Any, variant: Any) -> float:
-    """Training FLOPs of a plan's real samples over all ranks."""
-    return sum(
-        flops.train_flops_per_sample(variant, tokens)
-        for rank in plan.ranks
-        for mb in rank.micro_batches
-        for tokens in mb.real_tokens
-    )
+    """Training FLOPs of a plan's real samples over all ranks (``StepPlan`` or ``LocalPlan``)."""
+    return sum(n * flops.train_flops_per_sample(variant, tokens) for tokens, n in plan.token_counts)
 
 
 def step_log(
@@ -111,7 +106,7 @@ class Reporter:
             total_steps=self.config.steps,
             step_time_s=record.step_time_s,
             rank_step_times_s=process_times if self.primary else None,
-            rank_predicted_costs=[float(r.predicted_cost) for r in plan.ranks] if self.primary else None,
+            rank_predicted_costs=[float(c) for c in plan.rank_costs] if self.primary else None,
             tokens=record.tokens,
             model_flops=record.model_flops,
             num_devices=num_devices,

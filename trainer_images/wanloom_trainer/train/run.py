@@ -28,8 +28,9 @@ from typing import Any
 
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
-from wanloom_trainer.train.inputs import expert_samples, make_planner, renormalised, step_slots
+from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
+from wanloom_trainer.train.plan_ahead import PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
 
@@ -172,7 +173,8 @@ class _Loop:
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
         from wanloom_trainer.data import PlanPrefetcher
 
-        plans = (self.planner.plan(s) for s in range(start, self.config.steps))
+        # Each process plans only its own ranks (plus the step's totals), in a thread ahead of the loop.
+        plans = PlansAhead(self.planner.plan_local(s, self.ranks) for s in range(start, self.config.steps))
         copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
         depth = self.config.data.prefetch
         self.prefetchers = [PlanPrefetcher(self.dataset, p, r, depth) for p, r in zip(copies, self.ranks, strict=True)]
@@ -187,6 +189,7 @@ class _Loop:
         finally:
             for prefetcher in self.prefetchers:
                 prefetcher.close()
+            plans.close()
         self._report_commit(wait=True)
         return state
 
@@ -234,7 +237,7 @@ class _Loop:
             image_to_video=cfg.image_to_video_fraction if cfg.model.wan.per_token_timesteps else None,
         )  # fmt: skip
         data_wait = time.perf_counter() - started
-        planned = expert_samples(plan, cfg.model.num_experts)
+        planned = plan.expert_samples[: cfg.model.num_experts]
         valid = self._valid_samples(planned, skipped)
         self.result.next_step = plan.step + 1
         if sum(valid) == 0:  # every sample of the step was skipped: no update, no loss, no throughput to report
