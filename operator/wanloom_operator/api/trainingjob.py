@@ -286,11 +286,14 @@ class AdaptiveLoadSpec(_Model):
     enabled: bool = Field(True, description="Plan per-rank work with AdaptiveLoad; off means equal-token batches.")
     scheduler: Literal["balanced", "paper", "equal-tokens"] = Field(
         "balanced",
-        description="balanced: per-step min-max assignment of samples to ranks; paper: dual-constraint batch sizes "
-        "per bucket; equal-tokens: B*S = memoryBudgetTokens.",
+        description="balanced: per-step min-max assignment of samples to ranks (backend jax: samples of any shapes "
+        "packed into one row per device per slot); paper: dual-constraint batch sizes per bucket; equal-tokens: "
+        "B*S = memoryBudgetTokens.",
     )
     memory_budget_tokens: int = Field(
-        32_768, ge=1, description="M_mem: tokens one rank holds in a micro-batch (B*S <= M_mem)."
+        32_768,
+        ge=1,
+        description="M_mem: tokens one rank holds in a micro-batch (B*S <= M_mem; with packing, the longest row).",
     )
     compute_budget: float | None = Field(None, gt=0.0, description="M_comp in B*S^p <= M_comp; fitted when unset.")
     exponent: float | None = Field(None, ge=1.0, le=3.0, description="p in B*S^p <= M_comp; fitted when unset.")
