@@ -14,7 +14,6 @@ Two are built in:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -23,7 +22,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from wanloom_trainer.model.rope import apply_rope
-from wanloom_trainer.model.segment_attention import Segments, splash_segment_attention, xla_segment_attention
+from wanloom_trainer.model.segment_attention import (
+    Segments,
+    splash_block_sizes,
+    splash_layout,
+    splash_segment_attention,
+    xla_segment_attention,
+)
 
 AttentionFn = Callable[..., jax.Array]  # (q_bsnh, k_bknh, v_bknh, segments: Segments | None = None) -> out_bsnh
 FP32 = jnp.float32
@@ -41,10 +46,6 @@ def xla_attention(
     return jax.nn.dot_product_attention(q_bsnh, k_bknh, v_bknh, implementation="xla")
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -52,16 +53,7 @@ def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: 
 
     # Built once per shape and reused across traces, so its mask arrays must be concrete, not tracers.
     mask = sm.MultiHeadMask([sm.FullMask((q_len, kv_len)) for _ in range(heads)])
-    sizes = sk.BlockSizes(
-        block_q=block_q,
-        block_kv=block_kv,
-        block_kv_compute=block_kv,
-        block_q_dkv=block_q,
-        block_kv_dkv=block_kv,
-        block_kv_dkv_compute=block_kv,
-        block_q_dq=block_q,
-        block_kv_dq=block_kv,
-    )
+    sizes = splash_block_sizes(block_q, block_kv)
     with jax.ensure_compile_time_eval():
         return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
@@ -88,11 +80,10 @@ def splash_attention(
         return splash_segment_attention(
             q_bsnh, k_bknh, v_bknh, segments, block_q=block_q, block_kv=block_kv, interpret=interpret
         )
-    _, q_len, heads, head_dim = q_bsnh.shape
+    q_len, heads = q_bsnh.shape[1:3]
     kv_len = k_bknh.shape[1]
-    bq = min(block_q, _round_up(q_len, 128))
-    bkv = min(block_kv, _round_up(kv_len, 128))
-    q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
+    q, k, v, bq, bkv = splash_layout(q_bsnh, k_bknh, v_bknh, block_q, block_kv)
+    q_pad, kv_pad = q.shape[2], k.shape[2]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     kernel = _splash_kernel(heads, q_pad, kv_pad, bq, bkv, interpret)
@@ -100,13 +91,6 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     segments = SegmentIds(q=jnp.zeros((q_pad,), jnp.int32), kv=(jnp.arange(kv_pad) >= kv_len).astype(jnp.int32))
-    # The kernel takes head-major [N, S, H] per example and does not scale the logits itself.
-    q = jnp.swapaxes(q_bsnh * (1.0 / math.sqrt(head_dim)), 1, 2).astype(q_bsnh.dtype)
-    k = jnp.swapaxes(k_bknh, 1, 2)
-    v = jnp.swapaxes(v_bknh, 1, 2)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_pad - q_len), (0, 0)))
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
     out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, segment_ids=segments))(q, k, v)
     return jnp.swapaxes(out[:, :, :q_len], 1, 2).astype(q_bsnh.dtype)
 

@@ -104,7 +104,8 @@ def segment_mask_infos(q_ids: jax.Array, kv_ids: jax.Array, block_q: int, block_
 
 
 @functools.lru_cache(maxsize=16)
-def _block_sizes(block_q: int, block_kv: int):
+def splash_block_sizes(block_q: int, block_kv: int):
+    """One block size for the forward and both backward kernels (what both splash wrappers compile)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     return sk.BlockSizes(
@@ -117,6 +118,22 @@ def _block_sizes(block_q: int, block_kv: int):
         block_q_dq=block_q,
         block_kv_dq=block_kv,
     )
+
+
+def splash_layout(
+    q_bsnh: jax.Array, k_bknh: jax.Array, v_bknh: jax.Array, block_q: int, block_kv: int
+) -> tuple[jax.Array, jax.Array, jax.Array, int, int]:
+    """(q, k, v) as splash takes them, head-major [B, N, S, H], q pre-scaled by 1/sqrt(H) (the kernel does not
+    scale), each sequence zero-padded to its block; and the block sizes (no larger than the padded sequence)."""
+    q_len, head_dim = q_bsnh.shape[1], q_bsnh.shape[3]
+    kv_len = k_bknh.shape[1]
+    bq, bkv = min(block_q, _round_up(q_len, 128)), min(block_kv, _round_up(kv_len, 128))
+    q_pad, kv_pad = _round_up(q_len, bq) - q_len, _round_up(kv_len, bkv) - kv_len
+    q = jnp.swapaxes(q_bsnh * (1.0 / math.sqrt(head_dim)), 1, 2).astype(q_bsnh.dtype)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_pad), (0, 0)))
+    k = jnp.pad(jnp.swapaxes(k_bknh, 1, 2), ((0, 0), (0, 0), (0, kv_pad), (0, 0)))
+    v = jnp.pad(jnp.swapaxes(v_bknh, 1, 2), ((0, 0), (0, 0), (0, kv_pad), (0, 0)))
+    return q, k, v, bq, bkv
 
 
 def splash_segment_attention(
@@ -133,23 +150,16 @@ def splash_segment_attention(
     docstring). ``interpret`` None: Mosaic on TPU, the Pallas interpreter elsewhere."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    b, q_len, _, head_dim = q_bsnh.shape
-    kv_len = k_bknh.shape[1]
-    bq, bkv = min(block_q, _round_up(q_len, 128)), min(block_kv, _round_up(kv_len, 128))
-    q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
+    b, q_len = q_bsnh.shape[:2]
+    q, k, v, bq, bkv = splash_layout(q_bsnh, k_bknh, v_bknh, block_q, block_kv)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     # Padded queries join the row's last segment (their outputs are sliced off); padded keys match nothing.
-    q_ids = jnp.pad(segments.q.astype(jnp.int32), ((0, 0), (0, q_pad - q_len)), mode="edge")
-    kv_ids = jnp.pad(segments.kv.astype(jnp.int32), ((0, 0), (0, kv_pad - kv_len)), constant_values=_NEVER)
-    q = jnp.swapaxes(q_bsnh * (1.0 / math.sqrt(head_dim)), 1, 2).astype(q_bsnh.dtype)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_pad - q_len), (0, 0)))
-    k = jnp.pad(jnp.swapaxes(k_bknh, 1, 2), ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
-    v = jnp.pad(jnp.swapaxes(v_bknh, 1, 2), ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
-    sizes = _block_sizes(bq, bkv)
+    q_ids = jnp.pad(segments.q.astype(jnp.int32), ((0, 0), (0, q.shape[2] - q_len)), mode="edge")
+    kv_ids = jnp.pad(segments.kv.astype(jnp.int32), ((0, 0), (0, k.shape[2] - k_bknh.shape[1])), constant_values=_NEVER)
+    sizes = splash_block_sizes(bq, bkv)
     outs = []
-    # One kernel call per row: the mask info differs per row, and Pallas' batching rule does not batch the
-    # scalar-prefetched block tables.
+    # One kernel call per row, each with its own block tables (rows per device are few: packing fills one).
     for i in range(b):
         fwd, dkv = segment_mask_infos(q_ids[i], kv_ids[i], bq, bkv, segments.max_tokens)
         kernel = sk.SplashAttentionKernel(
