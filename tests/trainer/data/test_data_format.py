@@ -188,3 +188,24 @@ def test_bad_index_files_name_the_problem(text: str, match: str) -> None:
 def test_duplicate_keys_are_refused() -> None:
     with pytest.raises(ValueError, match="keys repeat"):
         build_index(_header(), [_manifest("a", ["x"], [[1, 1, 1]]), _manifest("b", ["x"], [[1, 1, 1]])])
+
+
+def test_decoding_does_not_parse_python_literals(monkeypatch) -> None:
+    """The loader decodes in threads; numpy's .npy header parser uses ast.literal_eval, which CPython 3.11 can fail
+    with a spurious "AST constructor recursion depth mismatch" under threads (python/cpython#106905; it failed a
+    training run here). Headers are matched without it, for every .npy version and both orders."""
+    import ast
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("ast.literal_eval called while decoding")
+
+    monkeypatch.setattr(ast, "literal_eval", refuse)
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(decode_tensor(encode_tensor(x, "float32"), "float32"), x)
+    for version in ((1, 0), (2, 0), (3, 0)):
+        for array in (x, np.asfortranarray(x)):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, array, version=version)
+            np.testing.assert_array_equal(decode_tensor(buf.getvalue(), "float32"), x)
+    with pytest.raises(CorruptSample, match=r"bad \.npy member: unexpected header"):
+        decode_tensor(encode_tensor(x, "float32").replace(b"'descr'", b"'descX'"), "float32")

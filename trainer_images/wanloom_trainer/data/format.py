@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -108,13 +109,35 @@ def encode_tensor(x: np.ndarray, dtype: str) -> bytes:
     return buf.getvalue()
 
 
+# The header dict numpy writes: {'descr': '<f4', 'fortran_order': False, 'shape': (16, 3, 8, 8), }
+_NPY_HEADER = re.compile(
+    r"""\{\s*'descr':\s*'(?P<descr>[^']+)',\s*'fortran_order':\s*(?P<fortran>True|False),\s*"""
+    r"""'shape':\s*\((?P<shape>[\d,\s]*)\),?\s*\}"""
+)
+
+
+def _read_npy_header(stream: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of a .npy header. numpy's own parser goes through ``ast.literal_eval``, which
+    CPython 3.11 can fail with a spurious "SystemError: AST constructor recursion depth mismatch" when threads
+    parse at once (python/cpython#106905); the loader decodes in threads, so the header is matched here instead."""
+    major, _ = np.lib.format.read_magic(stream)
+    size_bytes = 2 if major == 1 else 4
+    raw = stream.read(size_bytes)
+    if len(raw) != size_bytes:
+        raise ValueError("truncated header length")
+    text = stream.read(int.from_bytes(raw, "little")).decode("utf8" if major >= 3 else "latin1")
+    match = _NPY_HEADER.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"unexpected header {text.strip()[:80]!r}")
+    shape = tuple(int(d) for d in match["shape"].replace(" ", "").split(",") if d)
+    return shape, match["fortran"] == "True", np.dtype(match["descr"])
+
+
 def decode_tensor(data: bytes | memoryview, dtype: str) -> np.ndarray:
     """.npy bytes → float32 array, without copying the payload twice. Raises CorruptSample on a bad header."""
     try:
         stream = io.BytesIO(data)
-        version = np.lib.format.read_magic(stream)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, stored = read_header(stream)
+        shape, fortran, stored = _read_npy_header(stream)
         count = int(np.prod(shape, dtype=np.int64))
         arr = np.frombuffer(data, dtype=stored, count=count, offset=stream.tell())
     except (ValueError, EOFError, TypeError) as exc:
