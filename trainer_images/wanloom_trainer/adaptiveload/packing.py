@@ -135,11 +135,9 @@ def packed_assignment(
     rank_of_row = ranks_by_slot(row_cost, slot_of_row, num_ranks, slots_so_far)
     owner, slot = rank_of_row[row_of], slot_of_row[row_of]
     geometry = _slot_geometry(
-        tokens, row_of, rank_of_row, slot_of_row, num_ranks, slots_so_far, memory_budget_tokens, sequence_multiple
-    )
-    pad = geometry.pad_tokens
-    pad_grid = np.where(pad > 0, np.asarray(pad_cost(np.maximum(pad, 1)), dtype=np.float64), 0.0)
-    geometry = PackedSlots(geometry.row_tokens, geometry.groups, geometry.max_segment_tokens, pad, pad_grid)
+        tokens, row_of, rank_of_row, slot_of_row, num_ranks, slots_so_far, memory_budget_tokens, sequence_multiple,
+        pad_cost,
+    )  # fmt: skip
     real = np.ones(len(tokens), dtype=bool)
     return Assignment(items, real, owner, slot, num_ranks, slots_so_far, np.asarray(slot_expert), packed=geometry)
 
@@ -153,8 +151,10 @@ def _slot_geometry(
     num_slots: int,
     memory_budget_tokens: int,
     sequence_multiple: int,
+    pad_cost: Callable[[np.ndarray], np.ndarray],
 ) -> PackedSlots:
-    """Per slot: row length (one of ``ROW_CLASSES``), segment slots, longest-segment bound; per cell: padding."""
+    """Per slot: row length (one of ``ROW_CLASSES``), segment slots, longest-segment bound; per cell: padding
+    tokens and their cost (a padding segment of n tokens costs ``pad_cost(n)``)."""
     used = np.zeros((num_ranks, num_slots), dtype=np.int64)
     count = np.zeros((num_ranks, num_slots), dtype=np.int64)
     longest = np.zeros(num_slots, dtype=np.int64)
@@ -167,4 +167,6 @@ def _slot_geometry(
     row_tokens = np.minimum(row_tokens, _round_up(memory_budget_tokens, sequence_multiple))  # never past the budget
     groups = _next_pow2(count.max(axis=0) + 1)
     max_segment = np.minimum(_next_pow2(longest), row_tokens)
-    return PackedSlots(row_tokens, groups, max_segment, row_tokens[None, :] - used, np.zeros((num_ranks, num_slots)))
+    pad = row_tokens[None, :] - used
+    pad_grid = np.where(pad > 0, np.asarray(pad_cost(np.maximum(pad, 1)), dtype=np.float64), 0.0)
+    return PackedSlots(row_tokens, groups, max_segment, pad, pad_grid)
