@@ -380,24 +380,26 @@ def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s
         for jobset in jobsets:
             [owner] = jobset["metadata"]["ownerReferences"]
             assert owner["uid"] == uids[jobset["metadata"]["name"]], jobset["metadata"]
-        # Never a second run: the audit log shows no JobSet created twice (a create cut off by the kill may be
-        # logged without its 201; the retry then gets 409 and adopts) and none deleted.
+        # Never a second run: the audit log shows no JobSet created twice and none deleted. Every job's create is
+        # logged, though not always with its 201: under load the JobSet webhook can time out (504) after the object
+        # was stored, and the operator's retry then gets 409 and adopts it. Seen on a 2-core CI machine.
         time.sleep(2)  # the audit backend writes in batches
-        created: dict[str, int] = {}
+        attempted: dict[str, list[int]] = {}
         deleted = []
         for line in Path(cluster.env["audit_log"]).read_text().splitlines():
             event = json.loads(line)
             ref = event.get("objectRef") or {}
             if ref.get("resource") != "jobsets" or ref.get("namespace") != namespace:
                 continue
-            if event.get("stage") != "ResponseComplete" or event["responseStatus"]["code"] >= 300:
+            if event.get("stage") != "ResponseComplete":
                 continue
             if event["verb"] == "create":
-                created[ref["name"]] = created.get(ref["name"], 0) + 1
-            elif event["verb"] == "delete":
+                attempted.setdefault(ref["name"], []).append(event["responseStatus"]["code"])
+            elif event["verb"] == "delete" and event["responseStatus"]["code"] < 300:
                 deleted.append(ref["name"])
-        assert all(n <= 1 for n in created.values()) and set(created) <= set(names), created
-        assert len(created) >= JOBS_UNDER_FAULTS - OPERATOR_KILLS and not deleted, (created, deleted)
+        assert sorted(attempted) == names, attempted
+        assert all(sum(code < 300 for code in codes) <= 1 for codes in attempted.values()), attempted
+        assert not deleted, deleted
 
 
 def test_a_configuration_error_fails_the_job_without_restarts(
