@@ -121,12 +121,14 @@ class Prometheus:
 
 
 def _write_job(workdir: Path, name: str) -> Path:
-    """jobs/tiny-local.yaml with its paths in `workdir`, frequent checkpoints and room for the skipped samples."""
+    """jobs/tiny-local.yaml with its paths in `workdir`, frequent checkpoints and cost refits, and room for the
+    skipped samples."""
     job = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
     job["metadata"]["name"] = name
     job["spec"]["data"]["uri"] = str(workdir / "data")
     job["spec"]["data"]["maxBadSamples"] = 1_000_000
     job["spec"]["training"]["checkpoint"].update(uri=str(workdir / "checkpoints"), interval=20, keep=1)
+    job["spec"]["adaptiveLoad"]["refitEverySteps"] = 5  # the cost-model panel has data within the first steps
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path

@@ -48,8 +48,36 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "wanloom_load_imbalance_cv",
         "gauge",
-        "Coefficient of variation of the measured per-rank step times of the last step (0 = balanced).",
+        "Coefficient of variation of the ranks' measured busy times of the last step (0 = balanced).",
         _T,
+    ),
+    MetricDef(
+        "wanloom_rank_busy_seconds",
+        "gauge",
+        "Each rank's measured forward and backward time of the last step, before the gradient update.",
+        _TR,
+    ),
+    MetricDef(
+        "wanloom_rank_predicted_busy_seconds",
+        "gauge",
+        "The cost model's prediction of each rank's busy time of the last step, in the model's unit (seconds "
+        "unless spec.adaptiveLoad gives only an exponent).",
+        _TR,
+    ),
+    MetricDef(
+        "wanloom_cost_model_error_ratio",
+        "gauge",
+        "Relative RMS error against the run's measured slot times: the model in use (after one best scale "
+        "factor), and the k-fold held-out error of the online refit and of the analytic FLOP model fitted to the "
+        "same timings.",
+        ("trainingjob", "model"),
+    ),
+    MetricDef(
+        "wanloom_cost_model_refits_total",
+        "counter",
+        "Online refits of the cost model, by outcome: accepted, rejected (not better than the analytic FLOP model) "
+        "or kept (no better than the model in use).",
+        ("trainingjob", "outcome"),
     ),
     MetricDef(
         "wanloom_compute_load_cv",
@@ -60,7 +88,7 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "wanloom_straggler_overhead_ratio",
         "gauge",
-        "Slowest rank's step time over the mean rank's, minus one, for the last step.",
+        "Slowest rank's busy time over the mean rank's, minus one, for the last step.",
         _T,
     ),
     MetricDef("wanloom_tokens_per_second", "gauge", "Transformer tokens trained per second, all ranks.", _T),
@@ -167,6 +195,8 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
 ALL_METRICS = TRAINER_METRICS + OPERATOR_METRICS
 SKIP_REASONS = ("missing", "corrupt")  # values of the `reason` label of the skipped-samples counters
 EXPERT_LABELS = ("high_noise", "low_noise")  # values of the `expert` label, indexed by routing's expert id
+COST_MODEL_LABELS = ("in_use", "refit", "analytic")  # values of the `model` label of the cost-model error gauge
+REFIT_OUTCOMES = ("accepted", "rejected", "kept")  # values of the `outcome` label of the refit counter
 
 
 def metric(name: str) -> MetricDef:

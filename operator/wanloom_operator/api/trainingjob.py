@@ -303,6 +303,14 @@ class AdaptiveLoadSpec(_Model):
         "held-out error (analytic FLOPs when no benchmark exists).",
     )
     bench_file: StorageURI | None = Field(None, description="Shape-benchmark JSON (wanloom plan --bench) to fit from.")
+    refit_every_steps: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Refit the cost model from the run's own slot timings every N steps and plan with the fit "
+        "when it beats the analytic FLOP model held out (plans then depend on measured times, so a rerun or a "
+        "resumed run may plan differently); 0: measure and report the fit only.",
+    )
     buckets: list[BucketSpec] | None = Field(
         None, description="Shape buckets; derived from the dataset's shape index when unset."
     )

@@ -142,6 +142,34 @@ def test_local_plan_is_the_full_plan_seen_from_some_ranks(index, flop_cost, rout
         planner.plan_local(5, [8])
 
 
+@pytest.mark.parametrize(("policy", "layout"), [("balanced", "per-rank"), ("balanced", "spmd"), ("paper", "spmd")])
+def test_slot_work_is_the_heaviest_cell_of_each_slot(index, flop_cost, router, policy, layout):
+    """What a slot's measured time is fitted against: the predicted-heaviest micro-batch's samples (padding rows,
+    padding tokens and dummies included), whose cost is the slot's largest predicted cost."""
+    planner = make(index, flop_cost, router, policy, layout)
+    full = planner.plan(3)
+    local = planner.plan_local(3, [0])
+    assert len(local.slot_work) == len(full.ranks[0].micro_batches)
+    for k, work in enumerate(local.slot_work):
+        heaviest = max(r.micro_batches[k].predicted_cost for r in full.ranks)
+        assert float(np.sum(flop_cost.sample_cost(np.array(work)))) == pytest.approx(heaviest, rel=1e-9)
+        assert all(t > 0 for t in work)
+
+
+def test_a_new_cost_model_keeps_samples_and_changes_the_balance(index, flop_cost, router):
+    """An online refit swaps the cost model: the same samples, routed alike, are planned with the new costs."""
+    from wanloom_trainer.adaptiveload.cost_model import TwoTermCost
+
+    planner = make(index, flop_cost, router, "balanced", "per-rank")
+    linear = planner.with_cost_model(TwoTermCost(a=0.0, alpha=1.0, beta=0.0))
+    before, after = planner.plan(4), linear.plan(4)
+    ids = lambda plan: sorted(i for r in plan.ranks for mb in r.micro_batches for i in mb.sample_ids)
+    assert ids(before) == ids(after) and before.num_samples == after.num_samples
+    assert before.to_dict() != after.to_dict()  # token-linear costs balance long clips differently
+    assert planner.plan(4).to_dict() == before.to_dict()  # the original planner is untouched
+    assert linear.cost_model.kind == "two-term" and planner.cost_model is flop_cost
+
+
 def test_a_cost_model_with_invalid_costs_is_refused(index, router):
     from wanloom_trainer.adaptiveload.cost_model import PowerCost
 

@@ -8,6 +8,7 @@ from wanloom_trainer.adaptiveload.shape_bench import BenchPoint, load_points, sa
 from wanloom_trainer.config.variants import get_variant
 
 TINY = get_variant("tiny")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_job(tmp_path: Path, data: Path, resources: str, extra: str = "") -> Path:
@@ -140,15 +141,37 @@ def test_bad_shapes_csv_names_the_line(tmp_path, text, message):
         run_plan(write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1}}"), shapes_csv=csv)
 
 
-def test_diffusers_step_runs_and_is_timed(tmp_path):
-    from wanloom_trainer.adaptiveload.shape_bench import run_shape_bench, save_points
-    from wanloom_trainer.adaptiveload.torch_step import diffusers_step_fn
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_the_shape_benchmark_times_the_jobs_own_step(tmp_path, backend):
+    """The benchmark step is the job's backend step: it trains (parameters move), and it is timed per grid point."""
+    import importlib.util
 
-    step = diffusers_step_fn(TINY, threads=1)
+    from wanloom_trainer.adaptiveload.shape_bench import run_shape_bench, save_points
+    from wanloom_trainer.train.bench_step import BackendStep
+
+    spec = importlib.util.spec_from_file_location("tiny_job", ROOT / "tests/trainer/train/scripts/tiny_job.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    step = BackendStep(tiny.tiny_config(tmp_path, resources={"backend": backend}))
+    fresh = step.backend.init_state()  # the same seeded initialisation the step started from
     points = run_shape_bench(step, [(1, (1, 8, 8)), (2, (3, 8, 8))], TINY, warmup=1, repeats=1)
-    assert all(p.seconds > 0 for p in points)
+    assert all(p.seconds > 0 for p in points) and [p.tokens for p in points] == [16, 48]
+    assert _leaves_differ(fresh, step.state)  # it trained: AdamW moved the parameters
     save_points(tmp_path / "b.json", "tiny|cpu|d1f1c1t1", points)
     assert load_points(tmp_path / "b.json", "tiny|cpu|d1f1c1t1") == points
+
+
+def _leaves_differ(a, b) -> bool:
+    import numpy as np
+
+    if hasattr(a, "experts"):  # torch
+        pa = [p.full_tensor().detach().cpu().numpy() for m in a.experts for p in m.parameters()]
+        pb = [p.full_tensor().detach().cpu().numpy() for m in b.experts for p in m.parameters()]
+    else:
+        import jax
+
+        pa, pb = (jax.tree_util.tree_leaves(s.params) for s in (a, b))
+    return any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(pa, pb, strict=True))
 
 
 def fake_config(tmp_path, cost_model="auto", exponent=None, bench_file=None, accelerator="cpu"):

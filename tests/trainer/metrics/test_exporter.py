@@ -36,6 +36,8 @@ def _record(**overrides: object) -> StepRecord:
         grad_norm={0: 1.5, 1: 0.9},
         learning_rate={0: 1e-4, 1: 2e-4},
         expert_samples={0: 3, 1: 5},
+        rank_busy_s=[0.40, 0.30, 0.55, 0.35],
+        rank_predicted_busy_s=[0.38, 0.33, 0.50, 0.36],
     )
     return replace(base, **overrides)
 
@@ -59,6 +61,7 @@ def _record_everything(m: TrainerMetrics) -> None:
     m.record_checkpoint(step=7, duration_s=3.0, timestamp=1.8e9)
     m.record_skipped("corrupt", 2)
     m.record_data_wait(0.02)
+    m.record_cost_model({"in_use": 0.2, "refit": 0.05, "analytic": 0.08}, "accepted")
 
 
 def test_rank0_exports_every_trainer_metric_of_the_contract() -> None:
@@ -84,20 +87,41 @@ def test_cross_rank_gauges_use_the_slowest_rank_and_population_cv() -> None:
     m = _metrics(0)
     record = _record()
     m.record_step(record)
-    times = np.array(record.rank_step_times_s)
+    busy = np.array(record.rank_busy_s)  # not the step times: those end in the gradient sync, equal on all ranks
     costs = np.array(record.rank_predicted_costs)
-    assert _value(m, "wanloom_load_imbalance_cv") == pytest.approx(times.std() / times.mean())
+    assert _value(m, "wanloom_load_imbalance_cv") == pytest.approx(busy.std() / busy.mean())
     assert _value(m, "wanloom_compute_load_cv") == pytest.approx(costs.std() / costs.mean())
-    assert _value(m, "wanloom_straggler_overhead_ratio") == pytest.approx(times.max() / times.mean() - 1)
+    assert _value(m, "wanloom_straggler_overhead_ratio") == pytest.approx(busy.max() / busy.mean() - 1)
+    for rank, (measured, predicted) in enumerate(zip(record.rank_busy_s, record.rank_predicted_busy_s, strict=True)):
+        assert _value(m, "wanloom_rank_busy_seconds", rank=str(rank)) == measured
+        assert _value(m, "wanloom_rank_predicted_busy_seconds", rank=str(rank)) == predicted
     assert _value(m, "wanloom_tokens_per_second") == pytest.approx(4096 / 0.6)
     assert _value(m, "wanloom_mfu_ratio") == pytest.approx(flops.mfu(3.0e15, 0.6, 4, "h100"))
     assert _value(m, "wanloom_step") == 7
     assert _value(m, "wanloom_total_steps") == 100
 
 
+def test_cost_model_errors_and_refit_outcomes() -> None:
+    m = _metrics(0)
+    assert _value(m, "wanloom_cost_model_refits_total", outcome="rejected") == 0  # present before the first refit
+    m.record_cost_model({"in_use": 0.3, "refit": None, "analytic": None}, None)
+    assert _value(m, "wanloom_cost_model_error_ratio", model="in_use") == 0.3
+    assert _value(m, "wanloom_cost_model_error_ratio", model="refit") is None
+    m.record_cost_model({"in_use": 0.25, "refit": 0.12, "analytic": 0.08}, "rejected")
+    assert _value(m, "wanloom_cost_model_refits_total", outcome="rejected") == 1
+    assert _value(m, "wanloom_cost_model_error_ratio", model="analytic") == 0.08
+    with pytest.raises(ValueError, match="outcome 'maybe'"):
+        m.record_cost_model({}, "maybe")
+    with pytest.raises(ValueError, match="model 'fitted'"):
+        m.record_cost_model({"fitted": 0.1}, None)
+    other = _metrics(2)
+    other.record_cost_model({"in_use": 0.3}, "accepted")  # rank 0's alone
+    assert _value(other, "wanloom_cost_model_error_ratio", model="in_use") is None
+
+
 def test_single_process_run_uses_its_own_step_time() -> None:
     m = _metrics(0)
-    m.record_step(_record(rank_step_times_s=None, rank_predicted_costs=None, step_time_s=2.0))
+    m.record_step(_record(rank_step_times_s=None, rank_predicted_costs=None, rank_busy_s=None, step_time_s=2.0))
     assert _value(m, "wanloom_tokens_per_second") == pytest.approx(2048)
     assert _value(m, "wanloom_load_imbalance_cv") is None  # nothing measured across ranks: no value, not a fake 0
 
@@ -175,8 +199,9 @@ def test_bad_step_record_names_the_field(overrides: dict[str, object], field: st
         ("rank_step_times_s", [0.5, -0.1]),
         ("rank_step_times_s", [0.5, float("nan")]),
         ("rank_predicted_costs", [1.0, float("inf")]),
+        ("rank_busy_s", [0.4, -0.1]),
     ],
-    ids=["negative-time", "nan-time", "inf-cost"],
+    ids=["negative-time", "nan-time", "inf-cost", "negative-busy"],
 )
 def test_bad_per_rank_values_name_the_field(field: str, values: list[float]) -> None:
     with pytest.raises(ValueError, match=rf"StepRecord\.{field} must be one finite value >= 0 per rank"):
@@ -185,7 +210,7 @@ def test_bad_per_rank_values_name_the_field(field: str, values: list[float]) -> 
 
 def test_balanced_step_has_zero_cv() -> None:
     m = _metrics(0)
-    m.record_step(_record(rank_step_times_s=[0.5] * 4, rank_predicted_costs=[2.0] * 4))
+    m.record_step(_record(rank_busy_s=[0.5] * 4, rank_predicted_costs=[2.0] * 4))
     assert _value(m, "wanloom_load_imbalance_cv") == 0
     assert _value(m, "wanloom_compute_load_cv") == 0
     assert _value(m, "wanloom_straggler_overhead_ratio") == 0

@@ -1,13 +1,13 @@
 """AdaptiveLoad: cost-aware batch sizing and per-step balancing of mixed image/video training across ranks.
 
-Pure numpy/scipy (``torch_step`` imports torch lazily and only when a shape benchmark runs on this machine).
+Pure numpy/scipy (a shape benchmark on this machine runs the job's backend: ``train.bench_step``, imported lazily).
 One concept per module:
 
 - ``shape_index``: ``SampleShapes(ids, latent_shapes)``, the planner's view of a dataset.
 - ``tokens``, ``buckets``: sequence length per sample; shape buckets (configured or derived).
 - ``batch_size``: the paper's dual-constraint rule and the equal-token baseline.
-- ``cost_model``, ``shape_bench``, ``torch_step``, ``cost_source``: step-time models, their fit to timed real
-  steps and storage, and which one a run uses.
+- ``cost_model``, ``shape_bench``, ``cost_source``, ``refit``: step-time models, their fit to timed real steps
+  and storage, which one a run uses, and its online refit from the run's own slot timings.
 - ``balance`` (per-rank totals: LPT + repair), ``lockstep`` (per-slot balance for FSDP), ``scheduler`` (which
   samples make up a step), ``layout`` (micro-batches, padding, dummies), ``planner`` (``Planner``, ``plan_step``).
 - ``plan``: the ``StepPlan``/``RankPlan``/``MicroBatch`` contract with the trainers and the loss normalisation.

@@ -88,22 +88,29 @@ def parallel_label(parallel: Any) -> str:
 
 
 def _measure(config: Any, sample_shapes: Any) -> list[BenchPoint]:
-    """Time real steps of the job's model on this machine's device of the job's kind."""
+    """Time the job's own training step (its backend, mesh and kernels) on this machine's device of the job's kind."""
     from wanloom_trainer.adaptiveload.buckets import derive_buckets
-    from wanloom_trainer.adaptiveload.torch_step import diffusers_step_fn
+    from wanloom_trainer.train.bench_step import BackendStep
 
-    device = "cpu"
-    if config.accelerator != "cpu":
-        import torch
-
-        if config.accelerator != "gpu" or not torch.cuda.is_available():
-            raise ValueError(
-                f"the shape benchmark must run on the job's {config.accelerator_type or config.accelerator} devices; "
-                "run `wanloom plan --bench FILE` where they are (e.g. in a trainer pod), or drop --bench to plan "
-                "with the analytic FLOP model"
-            )
-        device = "cuda"
+    if not _on_job_devices(config):
+        raise ValueError(
+            f"the shape benchmark must run on the job's {config.accelerator_type or config.accelerator} devices; "
+            "run `wanloom plan --bench FILE` where they are (e.g. in a trainer pod), or drop --bench to plan "
+            "with the analytic FLOP model"
+        )
     variant = config.model.wan
     shapes = derive_buckets(sample_shapes.latent_shapes).latent_shapes.tolist()
     grid = shape_grid(variant, shapes, config.adaptive_load.memory_budget_tokens)
-    return run_shape_bench(diffusers_step_fn(variant, device), grid, variant, warmup=1, repeats=3)
+    return run_shape_bench(BackendStep(config), grid, variant, warmup=1, repeats=3)
+
+
+def _on_job_devices(config: Any) -> bool:
+    if config.accelerator == "cpu":
+        return True
+    if config.backend == "torch":
+        import torch
+
+        return config.accelerator == "gpu" and torch.cuda.is_available()
+    import jax
+
+    return jax.default_backend() == config.accelerator

@@ -181,6 +181,25 @@ def cost_grid(assignment: Assignment, facts: BucketFacts) -> np.ndarray:
     return grid
 
 
+def critical_work(assignment: Assignment, facts: BucketFacts, grid: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Per slot, the token counts of the samples in its predicted-heaviest (rank, slot) cell (``grid``: the
+    ``cost_grid``), padding rows and padding tokens included: the work that bounds the slot's time."""
+    heaviest = grid.argmax(axis=0) if grid.size else np.zeros(0, dtype=np.int64)
+    cells = assignment.owner * max(assignment.num_slots, 1) + assignment.slot
+    wanted = heaviest * max(assignment.num_slots, 1) + np.arange(assignment.num_slots)
+    pick = np.flatnonzero(np.isin(cells, wanted))
+    tokens = facts.tokens[assignment.rows.bucket[pick]]
+    work: list[list[int]] = [[] for _ in range(assignment.num_slots)]
+    for k, t in zip(assignment.slot[pick].tolist(), tokens.tolist(), strict=True):
+        work[k].append(t)
+    for k, r in enumerate(heaviest.tolist()):
+        if assignment.packed is not None and assignment.packed.pad_tokens[r, k] > 0:
+            work[k].append(int(assignment.packed.pad_tokens[r, k]))
+        elif not work[k]:  # a dummy micro-batch
+            work[k].append(int(facts.tokens[facts.dummy_bucket]))
+    return tuple(tuple(w) for w in work)
+
+
 def materialise(assignment: Assignment, facts: BucketFacts, ranks: Iterable[int] | None = None) -> list[RankPlan]:
     """RankPlans of ``ranks`` (all by default), micro-batches in slot order, real rows before padding rows."""
     wanted = list(range(assignment.num_ranks)) if ranks is None else [int(r) for r in ranks]

@@ -295,6 +295,8 @@ class LocalPlan:
         expert_samples: real samples per expert over all ranks (which experts update).
         token_counts: (tokens, real samples) over all ranks (FLOPs and tokens/s).
         rank_costs: every rank's predicted busy time (the predicted-imbalance metrics).
+        slot_work: per slot, the token counts of the samples in its predicted-heaviest cell, padding included
+            (``layout.critical_work``): what the slot's measured time is fitted against (``adaptiveload.refit``).
         layout, policy: as in ``StepPlan``.
     """
 
@@ -304,6 +306,7 @@ class LocalPlan:
     expert_samples: tuple[int, int]
     token_counts: tuple[tuple[int, int], ...]
     rank_costs: tuple[float, ...]
+    slot_work: tuple[tuple[int, ...], ...] = ()
     layout: str = "per-rank"
     policy: str = "balanced"
 

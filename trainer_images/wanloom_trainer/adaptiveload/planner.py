@@ -22,6 +22,7 @@ micro-batch is then expert-homogeneous.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,6 +42,7 @@ from wanloom_trainer.adaptiveload.layout import (
     BucketFacts,
     StepItems,
     cost_grid,
+    critical_work,
     materialise,
     per_rank_assignment,
     slots_by_group,
@@ -161,14 +163,23 @@ class Planner:
         router: Router,
         buckets: BucketTable | None = None,
     ) -> None:
-        self.index, self.variant, self.config, self.cost_model, self.router = index, variant, config, cost_model, router
+        self.index, self.variant, self.config, self.router = index, variant, config, router
         self.buckets = buckets if buckets is not None else derive_buckets(index.latent_shapes)
         self.bucket_of = self.buckets.assign(index.latent_shapes)
-        tokens = tokens_for_latents(variant, self.buckets.latent_shapes)
-        m_mem = config.memory_budget_tokens
-        present = np.unique(self.bucket_of)
         # Only buckets that hold samples can break the memory budget or set the paper rule's defaults.
-        equal_token_batch_sizes(tokens[present], m_mem)
+        self._present = np.unique(self.bucket_of)
+        equal_token_batch_sizes(
+            tokens_for_latents(variant, self.buckets.latent_shapes)[self._present], config.memory_budget_tokens
+        )
+        self._use_cost_model(cost_model)
+        self.warnings = plan_warnings(config, len(index))
+        self._stream = SampleStream(len(index), config.seed)
+
+    def _use_cost_model(self, cost_model: CostModel) -> None:
+        """Everything derived from the cost model: bucket costs, p, M_comp, batch sizes, the chunk streams."""
+        config, tokens = self.config, tokens_for_latents(self.variant, self.buckets.latent_shapes)
+        m_mem, present = config.memory_budget_tokens, self._present
+        self.cost_model = cost_model
         self.exponent = config.exponent or effective_exponent(cost_model, tokens[present])
         counts = np.bincount(self.bucket_of, minlength=len(tokens))[present]
         self.compute_budget = config.compute_budget or default_compute_budget(
@@ -182,13 +193,17 @@ class Planner:
             overhead=float(cost_model.overhead),
         )
         _check_costs(cost_model, self.facts)
-        self.warnings = plan_warnings(config, len(index))
         self.batch_sizes = self._batch_sizes(config.policy)
-        self._stream = SampleStream(len(index), config.seed)
         self._chunks: BucketChunks | None = None
         if config.policy != "balanced" and not config.same_samples:
             group = config.num_ranks if config.layout == "spmd" else 1
             self._chunks = BucketChunks(self.bucket_of, self.batch_sizes * group, config.seed)
+
+    def with_cost_model(self, cost_model: CostModel) -> Planner:
+        """The same planner (dataset, buckets, sample order) planning with ``cost_model`` (an online refit)."""
+        planner = copy.copy(self)
+        planner._use_cost_model(cost_model)
+        return planner
 
     def _batch_sizes(self, policy: str) -> np.ndarray:
         """Rows per rank per step for each bucket: the paper's B_shape, or the memory cap for "balanced"."""
@@ -267,7 +282,8 @@ class Planner:
         real_buckets = a.rows.bucket[a.real]
         tokens, counts = np.unique(facts.tokens[real_buckets], return_counts=True)
         experts = np.bincount(a.rows.expert[a.real], minlength=2)
-        rank_costs = cost_grid(a, facts).sum(axis=1) + facts.overhead * a.num_slots
+        grid = cost_grid(a, facts)
+        rank_costs = grid.sum(axis=1) + facts.overhead * a.num_slots
         return LocalPlan(
             step=step,
             ranks=dict(zip(ranks, materialise(a, facts, ranks), strict=True)),
@@ -275,6 +291,7 @@ class Planner:
             expert_samples=(int(experts[0]), int(experts[1])),
             token_counts=tuple(zip(tokens.tolist(), counts.tolist(), strict=True)),
             rank_costs=tuple(rank_costs.tolist()),
+            slot_work=critical_work(a, facts, grid),
             layout=self.config.layout,
             policy=self.config.policy,
         )

@@ -147,6 +147,7 @@ class AdaptiveLoadConfig:
     cost_model: Literal["auto", "power", "two-term"]
     bench_file: str | None
     buckets: tuple[tuple[int, int, int], ...] | None  # pixel (frames, height, width)
+    refit_every_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -352,6 +353,7 @@ def _adaptive_load(spec: TrainingJobSpec) -> AdaptiveLoadConfig:
         cost_model=a.cost_model,
         bench_file=_uri(a.bench_file),
         buckets=buckets,
+        refit_every_steps=a.refit_every_steps,
     )
 
 

@@ -26,7 +26,14 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from wanloom_operator.api.metrics import EXPERT_LABELS, SKIP_REASONS, TRAINER_METRICS, MetricDef
+from wanloom_operator.api.metrics import (
+    COST_MODEL_LABELS,
+    EXPERT_LABELS,
+    REFIT_OUTCOMES,
+    SKIP_REASONS,
+    TRAINER_METRICS,
+    MetricDef,
+)
 from wanloom_trainer import flops
 from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation, straggler_overhead
 from wanloom_trainer.metrics.collectors import build_collectors
@@ -55,6 +62,8 @@ class StepRecord:
     grad_norm: dict[int, float]
     learning_rate: dict[int, float]
     expert_samples: dict[int, int]
+    rank_busy_s: list[float] | None = None  # every process's measured busy time (rank 0 only), shape (processes,)
+    rank_predicted_busy_s: list[float] | None = None  # the cost model's prediction of the same
 
     def __post_init__(self) -> None:
         _require(self.step >= 0, f"StepRecord.step must be >= 0, got {self.step}")
@@ -90,6 +99,9 @@ class TrainerMetrics:
             self._metric("wanloom_skipped_samples_total").labels(trainingjob, reason)
             self._metric("wanloom_skipped_distinct_samples_total").labels(trainingjob, reason)
         self._metric("wanloom_storage_outage_seconds").labels(trainingjob).set(0.0)
+        if rank == 0:
+            for outcome in REFIT_OUTCOMES:
+                self._metric("wanloom_cost_model_refits_total").labels(trainingjob, outcome)
 
     # -- serving --------------------------------------------------------------------------------------------------
 
@@ -149,11 +161,32 @@ class TrainerMetrics:
 
     # -- rank-0 pieces --------------------------------------------------------------------------------------------
 
+    def record_cost_model(self, errors: dict[str, float | None], outcome: str | None) -> None:
+        """The cost model against the run's measured slot times (``errors`` by ``COST_MODEL_LABELS``; None: not
+        known yet) and a refit's outcome ("accepted", "rejected"; None: no refit). Rank 0 only."""
+        if self.rank != 0:
+            return
+        for model, error in errors.items():
+            _require(model in COST_MODEL_LABELS, f"record_cost_model: model {model!r} not in {COST_MODEL_LABELS}")
+            if error is not None:
+                self._metric("wanloom_cost_model_error_ratio").labels(self.trainingjob, model).set(error)
+        if outcome is not None:
+            _require(outcome in REFIT_OUTCOMES, f"record_cost_model: outcome {outcome!r} not in {REFIT_OUTCOMES}")
+            self._metric("wanloom_cost_model_refits_total").labels(self.trainingjob, outcome).inc()
+
     def _record_balance(self, record: StepRecord) -> None:
-        if record.rank_step_times_s:
-            times = _per_rank(record.rank_step_times_s, "StepRecord.rank_step_times_s")
-            self._metric("wanloom_load_imbalance_cv").labels(self.trainingjob).set(coefficient_of_variation(times))
-            self._metric("wanloom_straggler_overhead_ratio").labels(self.trainingjob).set(straggler_overhead(times))
+        fields = ("rank_step_times_s", "rank_busy_s", "rank_predicted_busy_s")
+        times, busy, predicted = (
+            _per_rank(v, f"StepRecord.{f}") if (v := getattr(record, f)) else None for f in fields
+        )
+        # Busy times leave out the gradient synchronisation, where every rank waits for the slowest.
+        measured = busy if busy is not None else times
+        if measured is not None:
+            self._metric("wanloom_load_imbalance_cv").labels(self.trainingjob).set(coefficient_of_variation(measured))
+            self._metric("wanloom_straggler_overhead_ratio").labels(self.trainingjob).set(straggler_overhead(measured))
+        for name, values in (("wanloom_rank_busy_seconds", busy), ("wanloom_rank_predicted_busy_seconds", predicted)):
+            for rank, value in enumerate(values if values is not None else ()):
+                self._metric(name).labels(self.trainingjob, str(rank)).set(value)
         if record.rank_predicted_costs:
             costs = _per_rank(record.rank_predicted_costs, "StepRecord.rank_predicted_costs")
             self._metric("wanloom_compute_load_cv").labels(self.trainingjob).set(coefficient_of_variation(costs))

@@ -106,7 +106,17 @@ class ExpertOutputs:
 
 @dataclass(frozen=True)
 class StepOutputs:
+    """Per expert outputs; ``slot_seconds``: each slot's forward and backward on this process, the device
+    synchronised at the slot's end, before the gradient update (their sum is the process's busy time);
+    ``slot_compiled``: the slots whose time includes compiling their program (not a step-time measurement)."""
+
     experts: tuple[ExpertOutputs, ...]
+    slot_seconds: tuple[float, ...] = ()
+    slot_compiled: tuple[bool, ...] = ()
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(self.slot_seconds)
 
     @property
     def loss(self) -> float:
@@ -162,7 +172,15 @@ class Backend(Protocol):
         ...
 
     def gather_floats(self, value: float) -> list[float]:
-        """``value`` from every process, in process order (e.g. per-process step times for the balance CV)."""
+        """``value`` from every process, in process order (e.g. a flag any process may raise)."""
+        ...
+
+    def gather_rows(self, values: Sequence[float]) -> np.ndarray:
+        """float64 [processes, n]: every process's ``values`` (n alike everywhere), in process order."""
+        ...
+
+    def broadcast_floats(self, values: Sequence[float]) -> list[float]:
+        """Process 0's ``values`` on every process (n alike everywhere)."""
         ...
 
     def close(self) -> None:

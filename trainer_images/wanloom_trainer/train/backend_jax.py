@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -204,23 +205,37 @@ class JaxBackend:
         init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
         return JaxState(params=params, opt=tuple(init_opt(p) for p in params))
 
-    def accumulate_gradients(self, state: JaxState, slots: Sequence[Slot]) -> tuple[list[Any], list[float]]:
-        """Per expert: the gradient summed over its slots (None for an expert without a slot) and Σ weights·loss."""
+    def accumulate_gradients(
+        self, state: JaxState, slots: Sequence[Slot]
+    ) -> tuple[list[Any], list[float], tuple[float, ...], tuple[bool, ...]]:
+        """Per expert: the gradient summed over its slots (None for an expert without a slot) and Σ weights·loss;
+        each slot's seconds (waiting for its loss ends the slot: the device has run its program) and whether the
+        slot compiled a new program."""
         experts = range(len(state.params))
         grads: list[Any] = [None for _ in experts]
-        loss_sums: list[list[jax.Array]] = [[] for _ in experts]
+        loss_sums: list[list[float]] = [[] for _ in experts]
+        seconds, compiled = [], []
         for slot in slots:
+            started, programs = time.perf_counter(), self._programs()
             e = slot.expert
             if grads[e] is None:
                 grads[e] = self.step_fns.zeros(state.params[e])
             batch, max_segment = self._device_batch(slot)
             grads[e], loss = self.step_fns.accumulate(state.params[e], grads[e], batch, max_segment)
-            loss_sums[e].append(loss)
-        return grads, [float(sum(float(x) for x in sums)) for sums in loss_sums]
+            loss_sums[e].append(float(loss))
+            seconds.append(time.perf_counter() - started)
+            compiled.append(self._programs() != programs)
+        return grads, [float(sum(sums)) for sums in loss_sums], tuple(seconds), tuple(compiled)
+
+    def _programs(self) -> int:
+        """Programs the accumulate step has compiled so far. jit's cache size is not public API; without it every
+        slot counts as a measurement, first calls included."""
+        size = getattr(self.step_fns.accumulate, "_cache_size", None)
+        return size() if callable(size) else 0
 
     def train_step(self, state: JaxState, inputs: StepInputs) -> tuple[JaxState, StepOutputs]:
         experts = range(len(state.params))
-        grads, loss_sums = self.accumulate_gradients(state, inputs.slots)
+        grads, loss_sums, slot_seconds, slot_compiled = self.accumulate_gradients(state, inputs.slots)
         params, opt, norms = list(state.params), list(state.opt), [None for _ in experts]
         for e in experts:
             if inputs.expert_samples[e] == 0:
@@ -238,7 +253,9 @@ class JaxBackend:
                     learning_rate=inputs.learning_rates[e],
                 )
                 for e in experts
-            )
+            ),
+            slot_seconds,
+            slot_compiled,
         )
         return JaxState(tuple(params), tuple(opt)), outputs
 
@@ -279,11 +296,23 @@ class JaxBackend:
         return {"params": [params] * n, "opt": [opt] * n}
 
     def gather_floats(self, value: float) -> list[float]:
+        return self.gather_rows([value])[:, 0].tolist()
+
+    def gather_rows(self, values: Sequence[float]) -> np.ndarray:
+        mine = np.asarray(values, dtype=np.float64)
         if self.process_count == 1:
-            return [float(value)]
+            return mine[None]
         from jax.experimental import multihost_utils
 
-        return [float(x) for x in np.asarray(multihost_utils.process_allgather(np.float64(value))).reshape(-1)]
+        return np.asarray(multihost_utils.process_allgather(mine), dtype=np.float64).reshape(self.process_count, -1)
+
+    def broadcast_floats(self, values: Sequence[float]) -> list[float]:
+        mine = np.asarray(values, dtype=np.float64)
+        if self.process_count == 1:
+            return mine.tolist()
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(mine), dtype=np.float64).tolist()
 
     def close(self) -> None:
         if self._checkpointer is not None:

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,9 +151,14 @@ class TorchBackend:
 
     def train_step(self, state: TorchState, inputs: StepInputs) -> tuple[TorchState, StepOutputs]:
         loss_sums = torch.zeros(len(state.experts), dtype=torch.float64, device=self.device)
+        slot_seconds = []
         for slot in inputs.slots:
+            started = time.perf_counter()
             rows = self._my_rows(slot)
             loss_sums[slot.expert] += accumulate(state.experts[slot.expert], rows, self.device, self._compute_dtype)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            slot_seconds.append(time.perf_counter() - started)
         norms: list[float | None] = [None] * len(state.experts)
         for e, (model, optimizer) in enumerate(zip(state.experts, state.optimizers, strict=True)):
             if inputs.expert_samples[e] > 0:
@@ -165,7 +170,7 @@ class TorchBackend:
             ExpertOutputs(inputs.expert_samples[e], float(totals[e]), norms[e], inputs.learning_rates[e])
             for e in range(len(state.experts))
         )
-        return state, StepOutputs(outputs)
+        return state, StepOutputs(outputs, tuple(slot_seconds))
 
     def evaluate(self, state: TorchState, slot: Slot) -> float:
         """Σ weights·loss of one slot through its expert, without gradients (the training loss), all ranks."""
@@ -202,10 +207,22 @@ class TorchBackend:
         return Restored(state, int(record["next_step"]), record["meta"])
 
     def gather_floats(self, value: float) -> list[float]:
-        mine = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        return self.gather_rows([value])[:, 0].tolist()
+
+    def gather_rows(self, values: Sequence[float]) -> np.ndarray:
+        if self.proc.world_size == 1:  # no collective for a one-process job
+            return np.asarray([values], dtype=np.float64)
+        mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         every = [torch.zeros_like(mine) for _ in range(self.proc.world_size)]
         dist.all_gather(every, mine)
-        return [float(t.item()) for t in every]
+        return torch.stack(every).cpu().numpy()
+
+    def broadcast_floats(self, values: Sequence[float]) -> list[float]:
+        if self.proc.world_size == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return tensor.cpu().tolist()
 
     def close(self) -> None:
         """Checkpoints are written synchronously: nothing is pending. Release the process group if this backend

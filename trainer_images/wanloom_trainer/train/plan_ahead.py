@@ -61,3 +61,51 @@ class PlansAhead(Iterator[Any]):
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class CostSchedule:
+    """Which cost model plans each step: the run's initial model, then each accepted online refit from the step it
+    was decided for on (``adaptiveload.refit``).
+
+    The loop decides after step j (the same decision on every process: process 0's, broadcast) and a change takes
+    effect at step j + ``lag``. The planning thread asks for step s only once every decision that could apply to it
+    has been made, i.e. once step s − lag is done; with ``lag`` beyond the planning and prefetch depth it never
+    waits. ``changes`` (from_step, model) come from a checkpoint, so a resumed run plans its next steps with the
+    model the interrupted run had chosen for them. Without refits (``lag`` None) nothing ever waits.
+    """
+
+    def __init__(self, initial: Any, *, start: int, lag: int | None, changes: Iterable[tuple[int, Any]] = ()) -> None:
+        if lag is not None and lag < 1:
+            raise ValueError(f"lag must be >= 1, got {lag}")
+        self.lag = lag
+        self._changes = [(0, initial), *sorted(changes, key=lambda c: c[0])]
+        self._done = start - 1  # last step whose decision is known
+        self._cond = threading.Condition()
+
+    def model_at(self, step: int) -> Any:
+        """The model that plans ``step``; waits (planning thread) until the decisions for it are made."""
+        with self._cond:
+            if self.lag is not None:
+                self._cond.wait_for(lambda: self._done >= step - self.lag)
+            return next(model for first, model in reversed(self._changes) if first <= step)
+
+    def decide(self, step: int, model: Any | None) -> None:
+        """Step ``step`` is done; ``model`` (or None: no change) plans from step + lag on."""
+        with self._cond:
+            if model is not None:
+                if self.lag is None:
+                    raise ValueError("this run does not refit its cost model: no lag to apply a change after")
+                self._changes.append((step + self.lag, model))
+            self._done = max(self._done, step)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Release a planning thread waiting for decisions that will not come (the loop has ended)."""
+        with self._cond:
+            self._done = float("inf")  # type: ignore[assignment]
+            self._cond.notify_all()
+
+    def changes(self) -> list[tuple[int, Any]]:
+        """The refits decided so far, (from_step, model), for the checkpoint."""
+        with self._cond:
+            return list(self._changes[1:])

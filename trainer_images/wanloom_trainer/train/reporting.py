@@ -78,9 +78,10 @@ class Reporter:
                 total=config.steps, initial=start_step, desc=config.job_name, unit="step", dynamic_ncols=True
             )
 
-    def step(self, record: StepLog, plan: Any, process_times: list[float], num_devices: int) -> None:
+    def step(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> None:
+        """``every``: float [processes, 3], each process's wall time, busy time and predicted busy time."""
         self.metrics.record_data_wait(record.data_wait_s)
-        self.metrics.record_step(self._prometheus_record(record, plan, process_times, num_devices))
+        self.metrics.record_step(self._prometheus_record(record, plan, every, num_devices))
         if self.log is not None:
             self.log.append(record)
         if self.bar is not None:
@@ -98,14 +99,17 @@ class Reporter:
         if self.log is not None:
             self.log.close()
 
-    def _prometheus_record(self, record: StepLog, plan: Any, process_times: list[float], num_devices: int) -> Any:
+    def _prometheus_record(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> Any:
         from wanloom_trainer.metrics import StepRecord
 
+        times, busy, predicted = (every[:, i].tolist() if self.primary else None for i in range(3))
         return StepRecord(
             step=record.step + 1,  # completed steps, like the checkpoint step: the progress panel reaches 100%
             total_steps=self.config.steps,
             step_time_s=record.step_time_s,
-            rank_step_times_s=process_times if self.primary else None,
+            rank_step_times_s=times,
+            rank_busy_s=busy,
+            rank_predicted_busy_s=predicted,
             rank_predicted_costs=[float(c) for c in plan.rank_costs] if self.primary else None,
             tokens=record.tokens,
             model_flops=record.model_flops,

@@ -26,16 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode_model
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
 from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
-from wanloom_trainer.train.plan_ahead import PlansAhead
+from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
 
 log = logging.getLogger(__name__)
 LAYOUTS = {"jax": "spmd", "torch": "per-rank"}  # JAX runs one SPMD program; torch ranks run their own shapes
+PLAN_DEPTH = 2  # plans made ahead of the loop (PlansAhead)
+REPORT_REFIT_EVERY = 50  # steps between report-only refits (spec.adaptiveLoad.refitEverySteps 0)
 StepHook = Callable[[StepLog], None]
 
 
@@ -69,6 +72,15 @@ class StopRequest:
             yield self
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def predicted_busy(plan: Any) -> float:
+    """The cost model's busy time of this process's ranks (``LocalPlan``): per slot its heaviest local micro-batch
+    (the ranks of one process run together), plus the per-call overhead of every slot."""
+    ranks = list(plan.ranks.values())
+    slots = zip(*(r.micro_batches for r in ranks), strict=True)
+    compute = sum(max(mb.predicted_cost for mb in slot) for slot in slots)
+    return compute + ranks[0].predicted_cost - sum(mb.predicted_cost for mb in ranks[0].micro_batches)
 
 
 def make_backend(config: TrainConfig) -> Backend:
@@ -169,12 +181,30 @@ class _Loop:
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
         self.prefetchers: list[Any] = []
+        al = config.adaptive_load
+        self.refit = OnlineRefit(config.model.wan.name, al.cost_model)
+        self.refit_every = al.refit_every_steps or REPORT_REFIT_EVERY
+        # A change decided after step j plans step j + lag on: beyond every plan already made or prefetched.
+        self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 if al.refit_every_steps else None
+        self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
+
+    def _plans(self, start: int) -> Iterator[Any]:
+        """This process's plans from ``start`` on, each with the cost model the schedule names for its step."""
+        planner = self.planner
+        for step in range(start, self.config.steps):
+            model = self.schedule.model_at(step)
+            if model is not planner.cost_model:
+                planner = self.planner.with_cost_model(model)
+            yield planner.plan_local(step, self.ranks)
 
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
+        from wanloom_trainer.adaptiveload.cost_model import cost_model_from_dict
         from wanloom_trainer.data import PlanPrefetcher
 
+        restored = [(int(first), cost_model_from_dict(doc)) for first, doc in meta.get("cost_models", [])]
+        self.schedule = CostSchedule(self.planner.cost_model, start=start, lag=self.refit_lag, changes=restored)
         # Each process plans only its own ranks (plus the step's totals), in a thread ahead of the loop.
-        plans = PlansAhead(self.planner.plan_local(s, self.ranks) for s in range(start, self.config.steps))
+        plans = PlansAhead(self._plans(start), depth=PLAN_DEPTH)
         copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
         depth = self.config.data.prefetch
         self.prefetchers = [PlanPrefetcher(self.dataset, p, r, depth) for p, r in zip(copies, self.ranks, strict=True)]
@@ -187,6 +217,7 @@ class _Loop:
                     self._stop(state)
                     break
         finally:
+            self.schedule.close()
             for prefetcher in self.prefetchers:
                 prefetcher.close()
             plans.close()
@@ -252,19 +283,43 @@ class _Loop:
             learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps),
         )
         state, out = self.backend.train_step(state, inputs)
-        times = self.backend.gather_floats(time.perf_counter() - started)
+        # [wall, busy, predicted busy] of every process: one collective.
+        every = self.backend.gather_rows([time.perf_counter() - started, out.busy_seconds, predicted_busy(plan)])
         record = step_log(
-            plan, out, config=cfg, step_time_s=max(times), data_wait_s=data_wait, num_devices=self.backend.num_devices,
-            num_samples=sum(valid),
+            plan, out, config=cfg, step_time_s=float(every[:, 0].max()), data_wait_s=data_wait,
+            num_devices=self.backend.num_devices, num_samples=sum(valid),
         )  # fmt: skip
         if sum(valid) < plan.num_samples:
             record.extra["skipped_samples"] = plan.num_samples - sum(valid)
-        self.reporter.step(record, plan, times, self.backend.num_devices)
+        self.reporter.step(record, plan, every, self.backend.num_devices)
+        self._refit(plan, out)
         if self.backend.process_index == 0:
             self.result.records.append(record)
         if self.on_step is not None:
             self.on_step(record)
         return self._checkpoint(state, plan.step + 1)
+
+    def _refit(self, plan: Any, out: Any) -> None:
+        """Add the step's slot timings; every ``refit_every`` steps refit (process 0), report, and — with
+        spec.adaptiveLoad.refitEverySteps — plan with an accepted fit on every process from step + lag."""
+        compiled = out.slot_compiled or (False,) * len(out.slot_seconds)
+        if len(plan.slot_work) == len(out.slot_seconds):  # a step whose samples were all skipped ran no slots
+            timed = [(w, t) for w, t, c in zip(plan.slot_work, out.slot_seconds, compiled, strict=True) if not c]
+            self.refit.add([w for w, _ in timed], [t for _, t in timed])
+        model = None
+        if (plan.step + 1) % self.refit_every == 0:
+            outcome = None
+            if self.backend.process_index == 0:
+                outcome = self.refit.refit(self.schedule.model_at(plan.step))
+                (log.warning if outcome.verdict == "rejected" else log.info)("step %d: %s", plan.step, outcome.message)
+                errors = {"in_use": outcome.in_use_error, "refit": outcome.heldout_error,
+                          "analytic": outcome.analytic_heldout_error}  # fmt: skip
+                self.reporter.metrics.record_cost_model(errors, outcome.verdict)
+            if self.refit_lag is not None:  # every process takes process 0's decision
+                encoded = self.backend.broadcast_floats(encode_model(outcome and outcome.model))
+                model = decode_model(encoded, self.config.model.wan.name)
+        if self.refit_lag is not None:
+            self.schedule.decide(plan.step, model)
 
     def _checkpoint(self, state: Any, next_step: int) -> Any:
         """Report a save that has committed meanwhile; start the next one when due."""
@@ -294,6 +349,8 @@ class _Loop:
             "routing": {"mode": cfg.routing.mode, "boundary_ratio": cfg.routing.boundary_ratio},
             # Plans, timesteps and noise are functions of (seed, step): the loader's position is next_step.
             "data": self.prefetchers[0].state_dict() if self.prefetchers else {"next_step": next_step},
+            # Refits decided so far: the steps after next_step are planned with the models chosen for them.
+            "cost_models": [[first, model.to_dict()] for first, model in self.schedule.changes()],
         }
         self._report_commit(wait=True)  # one save in flight at a time
         started = time.perf_counter()
