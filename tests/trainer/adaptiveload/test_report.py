@@ -165,8 +165,8 @@ def _leaves_differ(a, b) -> bool:
     import numpy as np
 
     if hasattr(a, "experts"):  # torch
-        pa = [p.full_tensor().detach().cpu().numpy() for m in a.experts for p in m.parameters()]
-        pb = [p.full_tensor().detach().cpu().numpy() for m in b.experts for p in m.parameters()]
+        pa = [p.detach().cpu().numpy() for m in a.experts for p in m.parameters()]
+        pb = [p.detach().cpu().numpy() for m in b.experts for p in m.parameters()]
     else:
         import jax
 

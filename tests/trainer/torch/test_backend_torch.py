@@ -12,6 +12,11 @@ from wanloom_trainer.train.backend_torch import TorchBackend
 from wanloom_trainer.train.objective import batch_noise
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: FSDP shards are DTensors; a one-rank, one-dtype job keeps plain tensors."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _slot(expert: int, ids: list[int], step: int = 0) -> Slot:
     rng = np.random.default_rng([step, *ids])
     rows = RankRows(
@@ -65,13 +70,13 @@ def test_bf16_params_are_stored_in_bf16_and_fp32_params_stay_fp32(make_config) -
 def test_idle_expert_keeps_parameters_and_moments_bit_for_bit(make_config) -> None:
     backend = TorchBackend(make_config())
     state = backend.init_state()
-    before = [p.detach().full_tensor().clone() for p in state.experts[1].parameters()]
-    moments = [s["exp_avg_sq"].full_tensor().clone() for s in state.optimizers[1].state.values()]
+    before = [_full(p.detach()).clone() for p in state.experts[1].parameters()]
+    moments = [_full(s["exp_avg_sq"]).clone() for s in state.optimizers[1].state.values()]
     state, out = backend.train_step(state, StepInputs(0, [_slot(0, [0, 1])], 2, (2, 0), (1e-3, 1e-3)))
     assert out.experts[1].grad_norm is None and out.experts[1].loss_sum == 0.0
-    after = [p.detach().full_tensor() for p in state.experts[1].parameters()]
+    after = [_full(p.detach()) for p in state.experts[1].parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    after = [s["exp_avg_sq"].full_tensor() for s in state.optimizers[1].state.values()]
+    after = [_full(s["exp_avg_sq"]) for s in state.optimizers[1].state.values()]
     assert all(torch.equal(a, b) for a, b in zip(moments, after, strict=True))
     assert all(float(s["step"]) == 0 for s in state.optimizers[1].state.values())
 
@@ -107,7 +112,7 @@ def test_weights_are_staged_from_gcs_on_rank_zero_and_loaded(make_config, gcs, t
     state = TorchBackend(make_config(model={"weights": f"{gcs}/weights"})).init_state()
     for source, expert in zip(sources, state.experts, strict=True):
         want = source.state_dict()
-        assert all(torch.equal(want[k], v.full_tensor()) for k, v in expert.state_dict().items())
+        assert all(torch.equal(want[k], _full(v)) for k, v in expert.state_dict().items())
     with pytest.raises(FileNotFoundError, match="nothing under"):
         TorchBackend(make_config(model={"weights": f"{gcs}/missing"})).init_state()
 
@@ -115,7 +120,7 @@ def test_weights_are_staged_from_gcs_on_rank_zero_and_loaded(make_config, gcs, t
 def _first_moments(make_config, **spec) -> tuple[list[torch.Tensor], list[float | None]]:
     backend = TorchBackend(make_config(**spec))
     state, out = backend.train_step(backend.init_state(), INPUTS)
-    moments = [s["exp_avg"].full_tensor().clone() for s in state.optimizers[0].state.values()]
+    moments = [_full(s["exp_avg"]).clone() for s in state.optimizers[0].state.values()]
     return moments, [e.grad_norm for e in out.experts]
 
 

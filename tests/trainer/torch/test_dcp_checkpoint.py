@@ -68,7 +68,7 @@ def test_round_trip_restores_experts_optimizers_rng_and_meta(make_config, tmp_pa
     assert _equal(_snapshot(restored.state), saved)
     assert torch.equal(torch.get_rng_state(), rng_at_save)
     low = restored.state.optimizers[1].state.values()
-    assert all(float(s["step"]) == 0.0 and not s["exp_avg"].full_tensor().any() for s in low)  # still fresh
+    assert all(float(s["step"]) == 0.0 and not _full(s["exp_avg"]).any() for s in low)  # still fresh
 
 
 def test_latest_step_skips_incomplete_checkpoints_and_keeps_the_newest(make_config, tmp_path) -> None:

@@ -101,6 +101,7 @@ class _Reports:
 def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
     from types import SimpleNamespace
 
+    from wanloom_trainer.train.plan_ahead import CostSchedule
     from wanloom_trainer.train.run import RunResult, _Loop
 
     loop = _Loop.__new__(_Loop)  # only the checkpoint bookkeeping: no model, no data
@@ -108,6 +109,7 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
                                   routing=SimpleNamespace(mode="per-sample", boundary_ratio=0.875))  # fmt: skip
     loop.backend, loop.reporter, loop.result = _AsyncSaves(), _Reports(), RunResult(0, 0)
     loop.prefetchers, loop.pending = [], None
+    loop.schedule = CostSchedule(None, start=0, lag=None)
     loop.save(state=None, next_step=50)
     assert loop.reporter.checkpoints == [] and loop.result.checkpoints == []  # still being written
     loop._report_commit(wait=False)

@@ -19,8 +19,9 @@ the first plan it gets is that step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +43,14 @@ class LoadedMicroBatch:
         micro_batch: the plan's ``MicroBatch`` (sample_ids, latent_shape, expert, timesteps, weights).
         batch: the loaded rows (``LatentBatch``; row j stands for planned row ``batch.positions[j]``); packed: one
             single-row ``LatentBatch`` per planned sample, in row order.
+        rows: what the prefetcher's ``prepare`` made of it in the loading thread (None without one).
     """
 
     step: int
     index: int
     micro_batch: Any
     batch: LatentBatch | tuple[LatentBatch, ...]
+    rows: Any = None
 
     @property
     def packed(self) -> bool:
@@ -105,8 +108,8 @@ class StepData:
         return len(self.micro_batches)
 
     def __iter__(self) -> Iterator[LoadedMicroBatch]:
-        for i, mb in enumerate(self.micro_batches):
-            yield LoadedMicroBatch(self.step, i, mb, self._owner._take(self.step, i))
+        for i in range(len(self.micro_batches)):
+            yield self._owner._take(self.step, i)
         self._owner._finished(self.step)
 
 
@@ -119,19 +122,29 @@ class PlanPrefetcher:
         rank: this process's data-parallel rank (index into ``plan.ranks``).
         depth: micro-batches kept loading ahead (``spec.data.prefetch``); 0 loads each when it is asked for.
         workers: threads loading micro-batches (each load fans out over the dataset's own reader threads).
+        prepare: run on each loaded micro-batch in its loading thread (the trainer builds its rows there: noise,
+            loss weights, packing), so the training loop only picks them up; the result is ``.rows``.
     """
 
-    def __init__(self, dataset: LatentDataset, plans: Iterable[Any], rank: int, depth: int = 4, workers: int = 2):
+    def __init__(
+        self,
+        dataset: LatentDataset,
+        plans: Iterable[Any],
+        rank: int,
+        depth: int = 4,
+        workers: int = 2,
+        prepare: Callable[[LoadedMicroBatch], Any] | None = None,
+    ):
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         if depth < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {depth}")
-        self.dataset, self.rank, self.depth = dataset, rank, depth
+        self.dataset, self.rank, self.depth, self._prepare = dataset, rank, depth, prepare
         self._plans = iter(plans)
         self._ready_plans: deque[Any] = deque()  # plans pulled for prefetching but not yet handed out
         self._work = self._work_items()
         self._unsubmitted: deque[tuple[int, int, Any]] = deque()  # pulled from the plans, not loading yet
-        self._queue: deque[tuple[int, int, Future[LatentBatch]]] = deque()  # loading or loaded, in plan order
+        self._queue: deque[tuple[int, int, Future[LoadedMicroBatch]]] = deque()  # loading or loaded, in plan order
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="wanloom-prefetch")
         self._next_step: int | None = None
         self._expect_step: int | None = None
@@ -161,10 +174,14 @@ class PlanPrefetcher:
         if not self._unsubmitted and not self._pull():
             return False
         step, i, mb = self._unsubmitted.popleft()
-        self._queue.append((step, i, self._pool.submit(self._load, mb)))
+        self._queue.append((step, i, self._pool.submit(self._load, step, i, mb)))
         return True
 
-    def _load(self, mb: Any) -> LatentBatch | tuple[LatentBatch, ...]:
+    def _load(self, step: int, i: int, mb: Any) -> LoadedMicroBatch:
+        loaded = LoadedMicroBatch(step, i, mb, self._read(mb))
+        return loaded if self._prepare is None else dataclasses.replace(loaded, rows=self._prepare(loaded))
+
+    def _read(self, mb: Any) -> LatentBatch | tuple[LatentBatch, ...]:
         if not mb.sample_ids:
             placeholder = self.dataset.placeholder(tuple(mb.latent_shape))
             return (placeholder,) if mb.packed is not None else placeholder
@@ -176,7 +193,7 @@ class PlanPrefetcher:
         while len(self._queue) < self.depth and self._submit_one():
             pass
 
-    def _take(self, step: int, i: int) -> LatentBatch:
+    def _take(self, step: int, i: int) -> LoadedMicroBatch:
         """The loaded micro-batch (step, i); micro-batches of steps the caller abandoned are discarded."""
         while True:
             if not self._queue and not self._submit_one():

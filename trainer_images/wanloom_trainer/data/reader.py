@@ -2,7 +2,8 @@
 
 Framework-free (numpy only), shared by the JAX and the PyTorch trainer. Each sample is one byte-range read of its
 shard (offsets from the index), checked against the index's CRC-32 and shapes, widened to float32, and fitted to
-the micro-batch's bucket shape (fit.py). The unique samples of a call are fetched in parallel threads.
+the micro-batch's bucket shape (fit.py). The unique samples of a call are fetched in parallel threads from remote
+storage, in the calling thread from local storage.
 
 Storage errors that outlast the per-request retries are not bad samples: the reader waits for storage to come back
 (``outage.StorageBreaker``) and fails the run only after ``storage_outage_s``. Bad samples (missing shard, corrupt
@@ -151,7 +152,7 @@ class LatentDataset:
         ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
         target = self._target_shape(ids, latent_shape)
         unique = list(dict.fromkeys(ids.tolist()))
-        fetched = dict(zip(unique, self._pool.map(self._fetch, unique), strict=True))
+        fetched = self._fetch_all(unique)
         rows: list[_Sample | None] = []
         for i in ids.tolist():
             got = fetched[i]
@@ -172,7 +173,7 @@ class LatentDataset:
             raise ValueError(f"{len(ids)} sample ids but {len(shapes)} latent shapes")
         self._target_shape(ids, shapes[0] if shapes else None)  # range check
         unique = list(dict.fromkeys(ids.tolist()))
-        fetched = dict(zip(unique, self._pool.map(self._fetch, unique), strict=True))
+        fetched = self._fetch_all(unique)
         out = []
         for j, (i, shape) in enumerate(zip(ids.tolist(), shapes, strict=True)):
             got = fetched[i]
@@ -234,6 +235,13 @@ class LatentDataset:
                 cond[j] = r.condition
         valid = np.array([r is not None for r in rows], dtype=bool)
         return LatentBatch(latents, text, lens, cond, ids.astype(np.int64), positions.astype(np.int64), valid)
+
+    def _fetch_all(self, unique: list[int]) -> dict[int, _Sample | _BadSample]:
+        """The samples of one call: in parallel threads from remote storage (their reads overlap), in this thread
+        from local storage (a thread hand-off cost more than reading a small sample)."""
+        if self.storage.remote and len(unique) > 1:
+            return dict(zip(unique, self._pool.map(self._fetch, unique), strict=True))
+        return {i: self._fetch(i) for i in unique}
 
     def _fetch(self, sample_id: int) -> _Sample | _BadSample:
         """One sample's tensors at its stored shape, or why it cannot be used. Storage errors are no verdict on

@@ -68,6 +68,10 @@ class StorageStats:
 class Storage(ABC):
     """Objects addressed by names relative to the root ``uri`` ('shards/shard-000000.tar')."""
 
+    # Whether reads wait on a network round trip: then a load overlaps its samples' reads in threads; a local read
+    # is CPU work that a thread hand-off only slows down.
+    remote: bool = True
+
     def __init__(self, uri: str) -> None:
         self.uri = uri
         self.stats = StorageStats()
@@ -98,6 +102,8 @@ class Storage(ABC):
 
 
 class LocalStorage(Storage):
+    remote = False
+
     def __init__(self, root: str | Path) -> None:
         super().__init__(str(root))
         self.root = Path(root)

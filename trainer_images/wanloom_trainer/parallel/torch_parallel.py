@@ -197,10 +197,12 @@ def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_pr
         mixed_precision: master and compute dtypes; gradients are always reduced in fp32.
 
     Returns:
-        The same module, now an ``FSDPModule``.
+        The same module, now an ``FSDPModule`` — unless the job has one rank and one dtype: FSDP would shard over
+        nothing and only add its hooks (they doubled a one-rank CPU step), so the module stays plain.
     """
     if mesh.context > 1:
         apply_context_parallel(model, mesh.world)
     apply_activation_checkpointing(model, remat)
-    apply_fsdp(model, mesh.fsdp, mixed_precision)
+    if mesh.world.size() > 1 or mixed_precision.param_dtype != mixed_precision.compute_dtype:
+        apply_fsdp(model, mesh.fsdp, mixed_precision)
     return model

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class JaxState:
-    """Per expert: parameters (``nnx.State``) and optimizer state."""
+    """Per expert: parameters (the flat list of the ``nnx.State``'s leaves) and optimizer state over that list."""
 
     params: tuple[Any, ...]
     opt: tuple[Any, ...]
@@ -97,19 +97,24 @@ class JaxBackend:
         self.num_devices = self.mesh.size
         self._tx = moment_transform(config.optimizer)
         self._graphdef, abstract_params = nnx.split(self._abstract_model(), nnx.Param)
-        self._param_shardings = jax.tree.map(
-            lambda a: a.sharding, abstract_params, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
-        )
+        # In the hot loop parameters are flat lists of leaves (StepFns); nnx.State only at checkpoints.
+        abstract_leaves, self._treedef = jax.tree.flatten(abstract_params)
+        self._param_shardings = [a.sharding for a in abstract_leaves]
         self._opt_shardings = optax.tree_utils.tree_map_params(
             self._tx,
             lambda _, s: s,
-            jax.eval_shape(self._tx.init, abstract_params),
+            jax.eval_shape(self._tx.init, abstract_leaves),
             self._param_shardings,
             transform_non_params=lambda _: self.shardings.replicated,
+        )
+        self._opt_treedefs = (  # the optimizer state over lists (hot loop) and over nnx.State (checkpoints)
+            jax.tree.structure(jax.eval_shape(self._tx.init, abstract_leaves)),
+            jax.tree.structure(jax.eval_shape(self._tx.init, abstract_params)),
         )
         self.step_fns: StepFns = make_step_fns(
             self._graphdef,
             config.optimizer,
+            treedef=self._treedef,
             param_shardings=self._param_shardings,
             opt_shardings=self._opt_shardings,
             replicated=self.shardings.replicated,
@@ -201,7 +206,7 @@ class JaxBackend:
         return sorted({r for index in index_map.values() for r in range(*index[0].indices(num_ranks))})
 
     def init_state(self) -> JaxState:
-        params = tuple(self._expert_params(e) for e in range(self.config.model.num_experts))
+        params = tuple(jax.tree.leaves(self._expert_params(e)) for e in range(self.config.model.num_experts))
         init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
         return JaxState(params=params, opt=tuple(init_opt(p) for p in params))
 
@@ -267,7 +272,7 @@ class JaxBackend:
     def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
         if self._checkpointer is None:
             raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
-        return self._checkpointer.save(next_step, _as_tree(state), meta)
+        return self._checkpointer.save(next_step, self._as_tree(state), meta)
 
     def checkpoint_pending(self) -> bool:
         return self._checkpointer is not None and self._checkpointer.saving()
@@ -280,17 +285,34 @@ class JaxBackend:
         if self._checkpointer is None or self._checkpointer.latest_step() is None:
             return None
         step = self._checkpointer.latest_step()
-        template = _as_tree(state) if state is not None else self.abstract_state()
+        template = self._as_tree(state) if state is not None else self.abstract_state()
         tree, meta = self._checkpointer.restore(step, template)
-        return Restored(JaxState(tuple(tree["params"]), tuple(tree["opt"])), step, meta)
+        return Restored(JaxState(*self.flat_state(tree["params"], tree["opt"])), step, meta)
+
+    def flat_state(self, params: Sequence[Any], opt: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Per expert ``nnx.State`` parameters and optimizer states (``abstract_state``, checkpoints) → what
+        ``StepFns`` take: parameters as flat lists, optimizer states over those lists."""
+        flat_opt = self._opt_treedefs[0]
+        return (
+            tuple(jax.tree.leaves(p) for p in params),
+            tuple(jax.tree.unflatten(flat_opt, jax.tree.leaves(o)) for o in opt),
+        )
+
+    def _as_tree(self, state: JaxState) -> dict[str, Any]:
+        """The checkpoint tree: ``nnx.State`` structure, so array keys name the parameters."""
+        return {
+            "params": [jax.tree.unflatten(self._treedef, p) for p in state.params],
+            "opt": [jax.tree.unflatten(self._opt_treedefs[1], jax.tree.leaves(o)) for o in state.opt],
+        }
 
     def abstract_state(self) -> dict[str, Any]:
-        """``{"params": [...], "opt": [...]}`` per expert as sharded ``ShapeDtypeStruct``s (restore, AOT compile)."""
+        """``{"params": [...], "opt": [...]}`` per expert as sharded ``ShapeDtypeStruct``s in ``nnx.State`` structure
+        (restore templates; ``flat_state`` turns them into ``StepFns`` arguments for AOT compiles)."""
         _, params = nnx.split(self._abstract_model(), nnx.Param)
-        opt = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(self._tx.init, params),
-            self._opt_shardings,
+        shapes, shardings = jax.tree.leaves(jax.eval_shape(self._tx.init, params)), jax.tree.leaves(self._opt_shardings)
+        opt = jax.tree.unflatten(
+            self._opt_treedefs[1],
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(shapes, shardings, strict=True)],
         )
         n = self.config.model.num_experts
         return {"params": [params] * n, "opt": [opt] * n}
@@ -391,7 +413,3 @@ def _rows_for(padded: Mapping[int, dict[str, np.ndarray]], key: str, index: slic
     block = np.concatenate([padded[r][key] for r in ranks])
     offset = start - ranks[0] * b
     return block[offset : offset + (stop - start if stop is not None else len(block))]
-
-
-def _as_tree(state: JaxState) -> dict[str, Any]:
-    return {"params": list(state.params), "opt": list(state.opt)}

@@ -248,7 +248,8 @@ class TorchBackend:
         """Σ over data-parallel ranks: an all-reduce over every rank, divided by the context-parallel peers that
         computed the same samples' loss."""
         total = values.to(self.device)
-        dist.all_reduce(total)
+        if self.proc.world_size > 1:
+            dist.all_reduce(total)
         return (total / (self.proc.world_size // self.dp_size)).cpu()
 
 

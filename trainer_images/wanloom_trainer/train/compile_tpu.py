@@ -254,7 +254,7 @@ def compile_job(
     config = dataclasses.replace(config, model=model, checkpoint=dataclasses.replace(config.checkpoint, uri=None))
     backend = JaxBackend(config, devices=devices)
     state = backend.abstract_state()
-    params, opt = state["params"][0], state["opt"][0]
+    (params, *_), (opt, *_) = backend.flat_state(state["params"], state["opt"])
     resident = sum(device_bytes(p) + device_bytes(o) for p, o in zip(state["params"], state["opt"], strict=True))
     param_bytes, opt_bytes = device_bytes(params), device_bytes(opt)
     shapes = compile_shapes(config, pixels)

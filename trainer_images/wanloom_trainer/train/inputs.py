@@ -8,6 +8,7 @@ the routing loss weight of its timestep (``routing.loss_weights``, normalised ov
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,7 +93,8 @@ def step_slots(
     image_to_video: float | None = None,
 ) -> tuple[list[Slot], tuple[int, ...]]:
     """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
-    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0).
+    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0). Rows the
+    prefetcher already prepared (``step_rows``, in its loading threads) are used as they are.
     ``patch``: the model's patch size (packed micro-batches); ``image_to_video``: as for ``rank_rows``."""
     per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
     counts = {len(mbs) for mbs in per_rank}
@@ -107,7 +109,10 @@ def step_slots(
         if len(experts) != 1:
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
         options = {"loss_weighting": loss_weighting, "image_to_video": image_to_video}
-        rows = {r: loaded_rows(mb, seed=seed, patch=patch, **options) for r, mb in zip(ranks, loaded, strict=True)}
+        rows = {
+            r: mb.rows if mb.rows is not None else loaded_rows(mb, seed=seed, patch=patch, **options)
+            for r, mb in zip(ranks, loaded, strict=True)
+        }
         slots.append(Slot(expert=experts.pop(), ranks=rows))
     return slots, tuple(skipped)
 
@@ -122,3 +127,15 @@ def renormalised(slots: list[Slot], factor: float) -> list[Slot]:
                         for r, rows in s.ranks.items()})
         for s in slots
     ]  # fmt: skip
+
+
+def step_rows(config: Any) -> Any:
+    """The prefetcher's ``prepare``: a loaded micro-batch as rows (``loaded_rows`` with the run's settings), built in
+    the loading thread so the training loop does not generate noise or pack rows itself."""
+    return functools.partial(
+        loaded_rows,
+        seed=config.seed,
+        patch=config.model.wan.patch_size,
+        loss_weighting=config.routing.loss_weighting,
+        image_to_video=config.image_to_video_fraction if config.model.wan.per_token_timesteps else None,
+    )

@@ -29,7 +29,7 @@ from typing import Any
 from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode_model
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
-from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
+from wanloom_trainer.train.inputs import make_planner, renormalised, step_rows, step_slots
 from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
 from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
@@ -207,7 +207,10 @@ class _Loop:
         plans = PlansAhead(self._plans(start), depth=PLAN_DEPTH)
         copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
         depth = self.config.data.prefetch
-        self.prefetchers = [PlanPrefetcher(self.dataset, p, r, depth) for p, r in zip(copies, self.ranks, strict=True)]
+        prepare = step_rows(self.config)
+        self.prefetchers = [
+            PlanPrefetcher(self.dataset, p, r, depth, prepare=prepare) for p, r in zip(copies, self.ranks, strict=True)
+        ]
         try:
             for prefetcher in self.prefetchers:
                 prefetcher.load_state_dict({"next_step": start, "dataset": meta.get("data", {}).get("dataset", {})})

@@ -143,16 +143,20 @@ def make_step_fns(
     graphdef: nnx.GraphDef,
     opt: OptimizerConfig,
     *,
+    treedef: Any = None,
     param_shardings: Any = None,
     opt_shardings: Any = None,
     replicated: jax.sharding.Sharding | None = None,
 ) -> StepFns:
-    """Jit the step's pieces. ``param_shardings`` / ``opt_shardings``: pytrees of shardings mirroring the
-    parameters (FSDP; gradients use the parameters') and the optimizer state; None lets XLA propagate."""
+    """Jit the step's pieces. ``treedef``: when given, parameters cross the jit boundary as the flat list of
+    leaves of that ``nnx.State`` structure (flattening and rebuilding an ``nnx.State`` at every call costs more host
+    time than a small step); None: as an ``nnx.State``. ``param_shardings`` / ``opt_shardings``: pytrees of
+    shardings mirroring the parameters (FSDP; gradients use the parameters') and the optimizer state; None lets XLA
+    propagate."""
     tx = moment_transform(opt)
 
     def loss_of(params: Any, batch: Batch, max_segment_tokens: int) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, params if treedef is None else jax.tree.unflatten(treedef, params))
         if "segment_ids" in batch:
             return packed_flow_matching_loss(model, batch, max_segment_tokens)
         return flow_matching_loss(model, batch)

@@ -39,7 +39,8 @@ def compile_case(work: str, topology: str, slices: int, *degrees: int) -> dict:
     model = dataclasses.replace(base.model, adaln="fused", attention="splash")
     config = dataclasses.replace(base, parallel=ParallelConfig(*degrees), model=model)
     backend = JaxBackend(config, devices=devices)
-    params = backend.abstract_state()["params"][0]
+    state = backend.abstract_state()
+    params = backend.flat_state(state["params"], state["opt"])[0][0]
     rows = lambda *shape: jax.ShapeDtypeStruct((ROWS, *shape), jnp.float32, sharding=backend.shardings.batch_b)
     latent = (4, 3, 8, 8)  # 3 frames of 8x8 latents: 48 tokens, a multiple of context x tensor
     batch = {

@@ -1,0 +1,236 @@
+"""The trainer's step against a minimal hand-written loop doing the same work, both backends, side by side.
+
+The tiny two-expert job (`jobs/tiny-local.yaml`: same plans, shapes, routing, noise and optimizer) runs through
+``wanloom_trainer.train.run`` with a recording wrapper around its backend, which keeps every step's inputs (the
+host arrays the backend receives) and times ``train_step``. The minimal loop then replays exactly those inputs with
+everything a hand-written loop needs and nothing else: the same model and loss functions, the same AdamW moments,
+one ``device_put`` per slot (JAX, parameters as a flat list across ``jit``) or plain tensors (PyTorch, no FSDP),
+no planning, loading, metrics or checkpoints. Rounds alternate (trainer, minimal, trainer, ...) so machine noise
+hits both; a step's time is the wall time between consecutive steps, and each round reports the median over its
+steps (compilation spikes are a few steps of many).
+
+Breakdown of the trainer's step (medians): ``backend`` (``train_step``: host→device, the jitted/eager step and
+the optimizer), ``data_wait`` (waiting for prefetched rows), ``driver`` (the rest: routing the rows into slots,
+metrics, the step log, the per-step collectives, checkpoint bookkeeping).
+
+Usage (``--json`` prints one object; writes benchmarks/results/step_overhead.json):
+
+    PYTHONPATH=operator:trainer_images:tests/trainer/train/scripts .venv/bin/python benchmarks/step_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tiny_job import tiny_config
+
+from wanloom_trainer.train.run import make_backend, run
+
+OUT = Path(__file__).parent / "results" / "step_overhead.json"
+
+
+class Recording:
+    """The job's real backend, with each step's inputs kept and ``train_step`` timed."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.inputs: list[Any] = []
+        self.step_s: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def train_step(self, state: Any, inputs: Any) -> Any:
+        started = time.perf_counter()
+        out = self._backend.train_step(state, inputs)
+        self.step_s.append(time.perf_counter() - started)
+        self.inputs.append(inputs)
+        return out
+
+
+def trainer_round(backend_name: str, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as workdir:
+        config = tiny_config(
+            workdir, training={"steps": steps, "checkpoint": {"uri": None}}, resources={"backend": backend_name}
+        )
+        backend = Recording(make_backend(config))
+        stamps: list[float] = []
+        result = run(config, backend=backend, progress=False, on_step=lambda _: stamps.append(time.perf_counter()))
+    wall = np.diff(stamps)
+    data_wait = [r.data_wait_s for r in result.records[1:]]
+    step = backend.step_s[1:]
+    return {
+        "config": config,
+        "inputs": backend.inputs,
+        "wall_s": float(np.median(wall)),
+        "backend_s": float(np.median(step)),
+        "data_wait_s": float(np.median(data_wait)),
+        "driver_s": float(np.median(wall - np.asarray(step) - np.asarray(data_wait))),
+    }
+
+
+# -- the minimal loops -------------------------------------------------------------------------------------------
+
+
+def minimal_torch(config: Any, recorded: list[Any]) -> float:
+    import torch
+
+    from wanloom_trainer.model.wan_torch import build_expert
+    from wanloom_trainer.train.backend_torch import expert_seed
+    from wanloom_trainer.train.step_torch import flow_matching_loss, make_adamw, rows_to_tensors, update
+
+    torch.set_num_threads(1)  # what the trainer uses on CPU
+    models = [build_expert(config.model.wan, seed=expert_seed(config.seed, e)) for e in range(2)]
+    optimizers = [make_adamw(m.parameters(), config.optimizer) for m in models]
+    device, stamps = torch.device("cpu"), []
+    for inputs in recorded:
+        for slot in inputs.slots:
+            batch = rows_to_tensors(slot.ranks[0], device)
+            loss, _ = flow_matching_loss(models[slot.expert], **batch, compute_dtype=torch.float32)
+            loss.backward()
+        for e, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            if inputs.expert_samples[e]:
+                update(model, optimizer, inputs.learning_rates[e], config.optimizer.clip_grad_norm)
+        stamps.append(time.perf_counter())
+    return float(np.median(np.diff(stamps)))
+
+
+def _host_batch(rows: Any) -> tuple[dict[str, np.ndarray], int]:
+    """One rank's rows as the arrays the step reads, rows padded to a power of two (the trainer's programs)."""
+    from wanloom_trainer.train.packing import PackedRows
+
+    if isinstance(rows, PackedRows):
+        keys = ("latents", "noise", "condition", "positions", "segment_ids", "text", "timesteps", "weights",
+                "clean_first_frame")  # fmt: skip
+        arrays, max_segment = (
+            {k: getattr(rows, k) for k in keys if getattr(rows, k) is not None},
+            rows.max_segment_tokens,
+        )
+    else:
+        keys = ("latents", "text", "noise", "timesteps", "weights", "condition", "clean_first_frame")
+        arrays, max_segment = {k: getattr(rows, k) for k in keys if getattr(rows, k) is not None}, 0
+    n = len(arrays["weights"])
+    target = 1 << max(0, n - 1).bit_length()
+    if target != n:
+        arrays = {
+            k: np.concatenate([v, np.repeat(np.zeros_like(v[:1]) if k == "weights" else v[:1], target - n, axis=0)])
+            for k, v in arrays.items()
+        }
+    return arrays, max_segment
+
+
+def minimal_jax(config: Any, recorded: list[Any]) -> float:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wanloom_trainer.model.wan_nnx import init_model
+    from wanloom_trainer.train.step_jax import flow_matching_loss, moment_transform, packed_flow_matching_loss
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    m = config.model
+    kwargs = {"param_dtype": dtype[m.param_dtype], "compute_dtype": dtype[m.compute_dtype], "adaln_impl": m.adaln,
+              "attention_impl": "xla", "remat": "none"}  # fmt: skip
+    graphdef, treedef, experts = None, None, []
+    for e in range(2):
+        graphdef, params = nnx.split(init_model(m.wan, seed=e, **kwargs), nnx.Param)
+        leaves, treedef = jax.tree.flatten(params)
+        experts.append(leaves)
+    tx = moment_transform(config.optimizer)
+    opt = [tx.init(leaves) for leaves in experts]
+
+    def loss(leaves: list[Any], batch: dict[str, Any], max_segment: int) -> jax.Array:
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        if "segment_ids" in batch:
+            return packed_flow_matching_loss(model, batch, max_segment)
+        return flow_matching_loss(model, batch)
+
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnums=(3,))
+    def accumulate(leaves: list[Any], grads: list[Any], batch: dict[str, Any], max_segment: int) -> Any:
+        (value, _), g = jax.value_and_grad(loss, has_aux=True)(leaves, batch, max_segment)
+        return [a + b for a, b in zip(grads, g, strict=True)], value
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def update(leaves: list[Any], state: Any, grads: list[Any], lr: jax.Array) -> Any:
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+        if config.optimizer.clip_grad_norm is not None:
+            factor = jnp.minimum(1.0, config.optimizer.clip_grad_norm / norm)
+            grads = [g * factor for g in grads]
+        updates, state = tx.update(grads, state, leaves)
+        return [p - lr * u for p, u in zip(leaves, updates, strict=True)], state, norm
+
+    stamps = []
+    for inputs in recorded:
+        grads: list[Any] = [None, None]
+        losses = []
+        for slot in inputs.slots:
+            e = slot.expert
+            if grads[e] is None:
+                grads[e] = [jnp.zeros_like(p) for p in experts[e]]
+            arrays, max_segment = _host_batch(slot.ranks[0])
+            grads[e], value = accumulate(experts[e], grads[e], jax.device_put(arrays), max_segment)
+            losses.append(value)
+        for e in range(2):
+            if inputs.expert_samples[e]:
+                experts[e], opt[e], _ = update(experts[e], opt[e], grads[e], jnp.float32(inputs.learning_rates[e]))
+        float(sum(losses))  # the step's loss on the host, as any loop logs it
+        jax.block_until_ready(experts)
+        stamps.append(time.perf_counter())
+    return float(np.median(np.diff(stamps)))
+
+
+MINIMAL = {"torch": minimal_torch, "jax": minimal_jax}
+
+
+def compare(backend: str, steps: int, rounds: int) -> dict[str, Any]:
+    trainer, minimal = [], []
+    for _ in range(rounds):
+        t = trainer_round(backend, steps)
+        trainer.append(t)
+        minimal.append(MINIMAL[backend](t["config"], t["inputs"]))
+    ratios = [t["wall_s"] / m for t, m in zip(trainer, minimal, strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "trainer_step_s": statistics.median(t["wall_s"] for t in trainer),
+        "minimal_step_s": statistics.median(minimal),
+        "breakdown_s": {k: statistics.median(t[k] for t in trainer) for k in ("backend_s", "data_wait_s", "driver_s")},
+        "rounds": rounds,
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backends", default="torch,jax")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = {b: compare(b, args.steps, args.rounds) for b in args.backends.split(",")}
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(results))
+        return
+    for backend, r in results.items():
+        parts = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in r["breakdown_s"].items())
+        spread = f"rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        print(
+            f"{backend}: trainer {r['trainer_step_s'] * 1e3:.1f} ms/step vs minimal loop "
+            f"{r['minimal_step_s'] * 1e3:.1f} ms/step: {r['ratio']:.2f}x ({spread}); trainer: {parts}"
+        )
+
+
+if __name__ == "__main__":
+    main()
