@@ -77,3 +77,15 @@ def test_two_processes_adopt_process_0s_refit_together(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-4000:]
     adopted = [line for line in out.splitlines() if "cost refit accepted" in line or "refitted" in line]
     assert adopted, out[-4000:]
+
+
+def test_step_time_is_the_wall_time_between_steps(tiny: Any, tmp_path: Path) -> None:
+    """Work between two steps (here a slow step hook; in a run the reporting and checkpoint bookkeeping) belongs
+    to the step time, so tokens/s and MFU are not optimistic."""
+    import time
+
+    config = tiny.tiny_config(
+        tmp_path, training={"steps": 12, "checkpoint": {"uri": None}}, resources={"backend": "torch"}
+    )
+    result = run(config, progress=False, on_step=lambda _: time.sleep(0.2))
+    assert all(r.step_time_s >= 0.2 for r in result.records[1:]), [r.step_time_s for r in result.records]

@@ -187,6 +187,7 @@ class _Loop:
         # A change decided after step j plans step j + lag on: beyond every plan already made or prefetched.
         self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 if al.refit_every_steps else None
         self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
+        self._last_step_end: float | None = None
 
     def _plans(self, start: int) -> Iterator[Any]:
         """This process's plans from ``start`` on, each with the cost model the schedule names for its step."""
@@ -277,6 +278,7 @@ class _Loop:
         if sum(valid) == 0:  # every sample of the step was skipped: no update, no loss, no throughput to report
             log.warning("step %d: all %d planned samples were skipped; the experts are not updated", plan.step,
                         plan.num_samples)  # fmt: skip
+            self._last_step_end = time.perf_counter()
             return self._checkpoint(state, plan.step + 1)
         inputs = StepInputs(
             step=plan.step,
@@ -286,8 +288,12 @@ class _Loop:
             learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps),
         )
         state, out = self.backend.train_step(state, inputs)
+        # A step's time runs from the previous step's end (the first: from its own start), so the reporting,
+        # checkpoint bookkeeping and hand-over between steps count: tokens/s and MFU are not optimistic.
+        now = time.perf_counter()
+        wall, self._last_step_end = now - (self._last_step_end or started), now
         # [wall, busy, predicted busy] of every process: one collective.
-        every = self.backend.gather_rows([time.perf_counter() - started, out.busy_seconds, predicted_busy(plan)])
+        every = self.backend.gather_rows([wall, out.busy_seconds, predicted_busy(plan)])
         record = step_log(
             plan, out, config=cfg, step_time_s=float(every[:, 0].max()), data_wait_s=data_wait,
             num_devices=self.backend.num_devices, num_samples=sum(valid),
