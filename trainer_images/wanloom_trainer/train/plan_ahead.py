@@ -3,7 +3,8 @@
 Planning a step (``Planner.plan_local``) is a pure function of the step, so the plans of the next steps can be made
 while the current one trains. ``PlansAhead`` runs the plan iterator in one daemon thread and keeps up to ``depth``
 finished plans queued; the loop only waits when planning falls behind training (``waited_s`` adds that up).
-Errors raised while planning surface in the loop at the step they belong to.
+Errors raised while planning surface in the loop at the step they belong to. ``CostSchedule`` names the cost model
+each step is planned with when the run refits it online.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 
     1. backend      framework, devices, process group (``jax.distributed`` / ``torch.distributed``)
     2. data         generate the synthetic dataset if asked (process 0), open the dataset and its shape index
-    3. plans        the AdaptiveLoad planner: step s's plan is a pure function of (seed, s)
+    3. plans        the AdaptiveLoad planner: step s's plan is a pure function of (seed, s) and its cost model
     4. state        restore the latest checkpoint, or initialise both experts and their optimizers
-    5. loop         plan → prefetched micro-batches → backend step → metrics/log/progress → checkpoint cadence
+    5. loop         plan → prefetched micro-batches → backend step → metrics/log/progress → cost refit →
+                    checkpoint cadence
     6. finish       final checkpoint, loss-curve plot
 
 Everything random (data order, timesteps, experts, noise) is keyed by (seed, step), so a checkpoint needs only the
-parameters, the optimizer states, the next step and the loader's skip count: a resumed run replays exactly what
-the uninterrupted run would have done.
+parameters, the optimizer states, the next step, the loader's skip count and the cost refits decided so far: a
+resumed run replays exactly what the uninterrupted run would have done.
 """
 
 from __future__ import annotations
