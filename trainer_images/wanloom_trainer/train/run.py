@@ -313,13 +313,14 @@ class _Loop:
         """Add the step's slot timings; every ``refit_every`` steps refit (process 0), report, and — with
         spec.adaptiveLoad.refitEverySteps — plan with an accepted fit on every process from step + lag."""
         compiled = out.slot_compiled or (False,) * len(out.slot_seconds)
-        if len(plan.slot_work) == len(out.slot_seconds):  # a step whose samples were all skipped ran no slots
+        primary = self.backend.process_index == 0  # it alone fits; the others take its decision
+        if primary and len(plan.slot_work) == len(out.slot_seconds):  # all samples skipped: no slots ran
             timed = [(w, t) for w, t, c in zip(plan.slot_work, out.slot_seconds, compiled, strict=True) if not c]
             self.refit.add([w for w, _ in timed], [t for _, t in timed])
         model = None
         if (plan.step + 1) % self.refit_every == 0:
             outcome = None
-            if self.backend.process_index == 0:
+            if primary:
                 outcome = self.refit.refit(self.schedule.model_at(plan.step))
                 (log.warning if outcome.verdict == "rejected" else log.info)("step %d: %s", plan.step, outcome.message)
                 errors = {"in_use": outcome.in_use_error, "refit": outcome.heldout_error,
