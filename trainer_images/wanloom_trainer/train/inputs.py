@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,19 +83,11 @@ def loaded_rows(loaded: Any, *, seed: int, patch: tuple[int, int, int], **option
 
 
 def step_slots(
-    step_data: Sequence[Any],
-    ranks: Sequence[int],
-    *,
-    seed: int,
-    loss_weighting: str,
-    num_experts: int,
-    patch: tuple[int, int, int],
-    image_to_video: float | None = None,
+    step_data: Sequence[Any], ranks: Sequence[int], *, num_experts: int, prepare: Callable[[Any], Any]
 ) -> tuple[list[Slot], tuple[int, ...]]:
     """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
-    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0). Rows the
-    prefetcher already prepared (``step_rows``, in its loading threads) are used as they are.
-    ``patch``: the model's patch size (packed micro-batches); ``image_to_video``: as for ``rank_rows``."""
+    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0). ``prepare``
+    (``step_rows``) makes a loaded micro-batch's rows unless the prefetcher already did in its loading threads."""
     per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
@@ -108,11 +100,7 @@ def step_slots(
         experts = {mb.expert for mb in loaded}
         if len(experts) != 1:
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
-        options = {"loss_weighting": loss_weighting, "image_to_video": image_to_video}
-        rows = {
-            r: mb.rows if mb.rows is not None else loaded_rows(mb, seed=seed, patch=patch, **options)
-            for r, mb in zip(ranks, loaded, strict=True)
-        }
+        rows = {r: mb.rows if mb.rows is not None else prepare(mb) for r, mb in zip(ranks, loaded, strict=True)}
         slots.append(Slot(expert=experts.pop(), ranks=rows))
     return slots, tuple(skipped)
 

@@ -182,6 +182,7 @@ class _Loop:
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
         self.prefetchers: list[Any] = []
+        self.prepare = step_rows(config)  # a loaded micro-batch → its rows (noise, weights, packing)
         al = config.adaptive_load
         self.refit = OnlineRefit(config.model.wan.name, al.cost_model)
         self.refit_every = al.refit_every_steps or REPORT_REFIT_EVERY
@@ -209,9 +210,9 @@ class _Loop:
         plans = PlansAhead(self._plans(start), depth=PLAN_DEPTH)
         copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
         depth = self.config.data.prefetch
-        prepare = step_rows(self.config)
         self.prefetchers = [
-            PlanPrefetcher(self.dataset, p, r, depth, prepare=prepare) for p, r in zip(copies, self.ranks, strict=True)
+            PlanPrefetcher(self.dataset, p, r, depth, prepare=self.prepare)
+            for p, r in zip(copies, self.ranks, strict=True)
         ]
         try:
             for prefetcher in self.prefetchers:
@@ -267,11 +268,7 @@ class _Loop:
         cfg = self.config
         started = time.perf_counter()
         plan = step_data[0].plan
-        slots, skipped = step_slots(
-            step_data, self.ranks, seed=cfg.seed, loss_weighting=cfg.routing.loss_weighting,
-            num_experts=cfg.model.num_experts, patch=cfg.model.wan.patch_size,
-            image_to_video=cfg.image_to_video_fraction if cfg.model.wan.per_token_timesteps else None,
-        )  # fmt: skip
+        slots, skipped = step_slots(step_data, self.ranks, num_experts=cfg.model.num_experts, prepare=self.prepare)
         data_wait = time.perf_counter() - started
         planned = plan.expert_samples[: cfg.model.num_experts]
         valid = self._valid_samples(planned, skipped)
