@@ -5,11 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-# torch is pinned in the same pip command so pip takes the CPU wheel instead of a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Every version comes from .ci/constraints.txt, so a fresh clone tests what the images ship, whatever PyPI released since.
+$(STAMP): pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
+	$(PY) -m pip install -q -c .ci/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 .PHONY: install services cluster cluster-down demo test test-exhaustive lint format generate

@@ -23,9 +23,6 @@ IMAGES = {
     "gpu": ("torch", ["python", "-m", "wanloom_trainer"]),
     "operator": ("operator", ["wanloom", "operator"]),
 }
-# Pins that differ from the CPU test environment on purpose: the TPU runtime does not exist here, and the CUDA
-# torch wheel asks for its own triton release.
-NOT_IN_TEST_ENV = {"libtpu", "triton"}
 
 
 @dataclass(frozen=True)
@@ -128,16 +125,36 @@ def test_every_installed_package_is_pinned(image: str) -> None:
         assert "pip check" in run, f"{image}: run `pip check` after installing"
 
 
+def _lock() -> dict[str, str]:
+    """.ci/constraints.txt: the versions `make install` installs and CI tests."""
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.strip().partition("==")
+            assert version, f".ci/constraints.txt: {line!r} is not an exact name==version pin"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
 @pytest.mark.parametrize("image", IMAGES)
 def test_pins_match_the_tested_environment(image: str) -> None:
+    lock = _lock()
     for name, version in _constraints(_dockerfile(image)).items():
-        if name in NOT_IN_TEST_ENV:
-            continue
+        assert name in lock, f"{image}: {name} is pinned but .ci/constraints.txt does not install it for the tests"
+        assert lock[name] == version, f"{image}: {name}=={version}, .ci/constraints.txt has {lock[name]}"
+
+
+def test_the_environment_is_the_locked_one() -> None:
+    """A stale or hand-grown .venv tests something else than CI and the images: `make install` rebuilds it."""
+    drift = {}
+    for name, version in _lock().items():
         try:
             installed = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pytest.fail(f"{image}: {name} is pinned but not installed in the test environment")
-        assert installed.split("+")[0] == version, f"{image}: {name}=={version}, tests run {installed}"
+            installed = "missing"
+        if installed != version:
+            drift[name] = f"{installed} (locked {version})"
+    assert not drift, f"installed versions differ from .ci/constraints.txt: {drift}"
 
 
 def test_gpu_image_uses_the_house_torch() -> None:
