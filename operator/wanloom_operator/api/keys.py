@@ -35,6 +35,8 @@ ENV_CONFIG = "WANLOOM_CONFIG"  # path of the mounted TrainingJob YAML
 ENV_JOB_NAME = "WANLOOM_JOB_NAME"
 ENV_NAMESPACE = "WANLOOM_NAMESPACE"
 ENV_METRICS_PORT = "WANLOOM_METRICS_PORT"
+# Not 9090: that is Prometheus's own port, which a laptop running the local job next to Prometheus already uses.
+DEFAULT_METRICS_PORT = 9431
 ENV_RUN_DIR = "WANLOOM_RUN_DIR"  # local scratch: synthetic data, plots
 ENV_COORDINATOR_ADDRESS = "WANLOOM_COORDINATOR_ADDRESS"  # host:port of process 0
 ENV_NUM_SLICES = "WANLOOM_NUM_SLICES"  # replicated-job replicas (TPU slices); 1 on GPU

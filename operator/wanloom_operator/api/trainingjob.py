@@ -574,7 +574,7 @@ class TrainingJobSpec(_Model):
     max_restarts: int = Field(3, ge=0, le=1000, description="JobSet restarts before failing; preemptions don't count.")
     active_deadline_seconds: int | None = Field(None, ge=1, description="Wall-clock limit of the whole run.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the JobSet this long after it ends.")
-    metrics_port: int = Field(9090, ge=1024, le=65535, description="Trainer Prometheus port.")
+    metrics_port: int = Field(keys.DEFAULT_METRICS_PORT, ge=1024, le=65535, description="Trainer Prometheus port.")
 
     @property
     def timestep_sampling(self) -> tuple[Literal["uniform", "logit-normal"], float]:

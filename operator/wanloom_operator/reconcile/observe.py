@@ -155,7 +155,7 @@ async def _read_progress(
     if host is None:
         logger.debug("rank 0 has no address yet")
         return None
-    port = int((body.get("spec") or {}).get("metricsPort") or 9090)
+    port = int((body.get("spec") or {}).get("metricsPort") or keys.DEFAULT_METRICS_PORT)
     try:
         text = await progress.fetch_metrics(host, port, settings.progress_timeout_seconds)
         return progress.parse_metrics(text)

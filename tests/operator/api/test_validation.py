@@ -43,6 +43,13 @@ def test_examples_are_valid(path: Path) -> None:
     assert result.job is not None
 
 
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_trainer_metrics_do_not_take_prometheus_port(path: Path) -> None:
+    """A laptop running the local job beside a Prometheus on its default port must not lose the endpoint."""
+    [result] = validate_file(path)
+    assert result.job is not None and result.job.spec.metrics_port != 9090
+
+
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
 def test_invalid_manifest_names_field(path: Path) -> None:
     results = validate_file(path)
