@@ -188,7 +188,9 @@ class OperatorExporter:
 
         self.metrics = OperatorMetrics()
         self.metrics.observe_job(
-            NAMESPACE, trainingjob, {"phase": "Running", "progress": {"stepTimeSeconds": 0.1, "loadImbalanceCV": 0.0}}
+            NAMESPACE,
+            trainingjob,
+            {"phase": "Running", "restarts": 1, "progress": {"stepTimeSeconds": 0.1, "loadImbalanceCV": 0.0}},
         )
         self.server = self.metrics.serve(port, "127.0.0.1")
         self._stop = threading.Event()

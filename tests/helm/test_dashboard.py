@@ -60,6 +60,9 @@ REQUIRED = {
     "wanloom_expert_samples_total",
     "wanloom_last_checkpoint_timestamp_seconds",
     "wanloom_skipped_samples_total",
+    "wanloom_skipped_distinct_samples_total",
+    "wanloom_last_checkpoint_duration_seconds",
+    "wanloom_operator_job_restarts",
 } | {m.name for m in OPERATOR_METRICS if not m.name.startswith("wanloom_operator_job_")}
 
 
@@ -67,7 +70,17 @@ def test_required_panels_are_there() -> None:
     used = {_contract_name(t) for _, expr in _exprs() for t in METRIC_TOKEN.findall(expr)}
     assert used >= REQUIRED, REQUIRED - used
     titles = {p["title"] for p in _panels()}
-    assert {"Step time p50 / p95", "Expert split", "Checkpoint age", "Skipped samples", "MFU"} <= titles
+    assert {
+        "Step time p50 / p95",
+        "Steps per second",
+        "ETA",
+        "Expert split",
+        "Checkpoint age",
+        "Checkpoint duration (last save)",
+        "Skipped samples by reason",
+        "JobSet restarts",
+        "MFU",
+    } <= titles
 
 
 def test_trainer_queries_follow_the_namespace_and_trainingjob_variables() -> None:

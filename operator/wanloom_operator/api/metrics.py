@@ -149,6 +149,12 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         _T,
     ),
     MetricDef(
+        "wanloom_last_checkpoint_duration_seconds",
+        "gauge",
+        "Wall time of the last completed checkpoint save, from its start to its commit.",
+        _T,
+    ),
+    MetricDef(
         "wanloom_checkpoint_duration_seconds", "histogram", "Wall time of a checkpoint save.", _T, CHECKPOINT_BUCKETS
     ),
 )
@@ -187,6 +193,13 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
         "wanloom_operator_job_load_imbalance_cv",
         "gauge",
         "Load-imbalance CV mirrored from a TrainingJob's status.",
+        ("namespace", "trainingjob"),
+        exported_by="operator",
+    ),
+    MetricDef(
+        "wanloom_operator_job_restarts",
+        "gauge",
+        "JobSet restarts of a TrainingJob (status.restarts; preemptions included).",
         ("namespace", "trainingjob"),
         exported_by="operator",
     ),

@@ -1,4 +1,4 @@
-"""OperatorMetrics: handler durations and errors, TrainingJobs by phase, per-job step time and imbalance CV.
+"""OperatorMetrics: handler durations and errors, TrainingJobs by phase, per-job step time, imbalance CV, restarts.
 
 One instance per running operator, on its own ``CollectorRegistry`` (several operators can live in one test
 process). Per-job series are mirrored from each TrainingJob's status and removed when the job goes away.
@@ -29,6 +29,7 @@ class OperatorMetrics:
         self.trainingjobs = _gauge("wanloom_operator_trainingjobs", self.registry)
         self.job_step_time = _gauge("wanloom_operator_job_step_time_seconds", self.registry)
         self.job_load_cv = _gauge("wanloom_operator_job_load_imbalance_cv", self.registry)
+        self.job_restarts = _gauge("wanloom_operator_job_restarts", self.registry)
         self._phases: dict[tuple[str, str], str] = {}
         self._refresh_phase_counts()
 
@@ -54,11 +55,13 @@ class OperatorMetrics:
         for gauge, key in ((self.job_step_time, "stepTimeSeconds"), (self.job_load_cv, "loadImbalanceCV")):
             if progress.get(key) is not None:
                 gauge.labels(namespace=namespace, trainingjob=name).set(float(progress[key]))
+        if status.get("restarts") is not None:
+            self.job_restarts.labels(namespace=namespace, trainingjob=name).set(int(status["restarts"]))
 
     def forget_job(self, namespace: str, name: str) -> None:
         self._phases.pop((namespace, name), None)
         self._refresh_phase_counts()
-        for gauge in (self.job_step_time, self.job_load_cv):
+        for gauge in (self.job_step_time, self.job_load_cv, self.job_restarts):
             with suppress(KeyError):  # never had progress
                 gauge.remove(namespace, name)
 

@@ -34,15 +34,20 @@ def test_handler_timing_and_errors() -> None:
 
 def test_jobs_by_phase_and_per_job_gauges() -> None:
     metrics = OperatorMetrics()
-    metrics.observe_job("ns", "a", {"phase": "Running", "progress": {"stepTimeSeconds": 2.5, "loadImbalanceCV": 0.1}})
+    metrics.observe_job(
+        "ns", "a", {"phase": "Running", "restarts": 2, "progress": {"stepTimeSeconds": 2.5, "loadImbalanceCV": 0.1}}
+    )
     metrics.observe_job("ns", "b", {"phase": "Running"})
     metrics.observe_job("ns", "c", {})
     assert _value(metrics, "wanloom_operator_trainingjobs", phase="Running") == 2
     assert _value(metrics, "wanloom_operator_trainingjobs", phase="Unknown") == 1
     assert _value(metrics, "wanloom_operator_trainingjobs", phase="Failed") == 0
     assert _value(metrics, "wanloom_operator_job_step_time_seconds", namespace="ns", trainingjob="a") == 2.5
+    assert _value(metrics, "wanloom_operator_job_restarts", namespace="ns", trainingjob="a") == 2
+    assert _value(metrics, "wanloom_operator_job_restarts", namespace="ns", trainingjob="b") is None
     metrics.observe_job("ns", "a", {"phase": "Succeeded", "progress": {"stepTimeSeconds": 2.5}})
     metrics.forget_job("ns", "a")
     assert _value(metrics, "wanloom_operator_trainingjobs", phase="Running") == 1
     assert _value(metrics, "wanloom_operator_job_step_time_seconds", namespace="ns", trainingjob="a") is None
+    assert _value(metrics, "wanloom_operator_job_restarts", namespace="ns", trainingjob="a") is None
     assert metrics.known_jobs() == 2

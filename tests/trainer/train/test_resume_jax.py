@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from wanloom_trainer.train.loss_log import read_log
+from wanloom_trainer.train.loss_log import RunEvent, read_events, read_log
 
 
 def test_killed_and_resumed_run_reproduces_the_losses_exactly(run_script: Callable[..., dict[str, Any]]) -> None:
@@ -66,3 +67,10 @@ def test_sigkilled_wanloom_run_resumes_to_the_same_losses(tiny: Any, tmp_path: P
     resumed = read_log(tmp_path / "killed" / "runs" / "tiny-local" / "steps.jsonl")
     assert [r.loss for r in resumed] == [r.loss for r in whole]
     assert [r.grad_norm for r in resumed] == [r.grad_norm for r in whole]
+    resumed_at = int(re.search(r"resuming from the checkpoint of step (\d+)", messages).group(1))
+    events = read_events(tmp_path / "killed" / "runs" / "tiny-local" / "events.jsonl")
+    assert RunEvent("resume", resumed_at) in events  # the loss plot marks it
+    assert [e.step for e in events if e.kind == "checkpoint" and e.step > resumed_at] == list(
+        range(resumed_at + 4, 17, 4)
+    )
+    assert all(e.kind == "checkpoint" for e in read_events(tmp_path / "whole" / "runs" / "tiny-local" / "events.jsonl"))

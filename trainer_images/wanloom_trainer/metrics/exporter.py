@@ -140,6 +140,7 @@ class TrainerMetrics:
             return
         self._metric("wanloom_checkpoint_duration_seconds").labels(self.trainingjob).observe(duration_s)
         self._metric("wanloom_last_checkpoint_step").labels(self.trainingjob).set(step)
+        self._metric("wanloom_last_checkpoint_duration_seconds").labels(self.trainingjob).set(duration_s)
         self._metric("wanloom_last_checkpoint_timestamp_seconds").labels(self.trainingjob).set(timestamp)
 
     def record_skipped(self, reason: str, n: int = 1, *, distinct: int = 0) -> None:

@@ -1,8 +1,10 @@
-"""The run's step log (``<run_dir>/steps.jsonl``) and its loss-curve plot (``<run_dir>/loss.png``).
+"""The run's step log (``<run_dir>/steps.jsonl``), its events (``<run_dir>/events.jsonl``) and the loss-curve plot
+(``<run_dir>/loss.png``).
 
 One JSON object per optimizer step, written by process 0 only. A resumed run first drops the records of steps it
 is about to run again, so the file always describes one consistent history (a killed run may have logged steps
-after its last checkpoint). Framework-free: both backends' runs use it.
+after its last checkpoint). The events are the committed checkpoints and the resumes, at the step boundary they
+mark (``step`` N: after N steps), truncated the same way. Framework-free: both backends' runs use it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from wanloom_operator.api.metrics import EXPERT_LABELS
 
@@ -58,22 +63,54 @@ class StepLog:
         return cls(**doc)
 
 
+@dataclass(frozen=True)
+class RunEvent:
+    """A checkpoint committed or a run resumed at the boundary after ``step`` steps."""
+
+    kind: Literal["checkpoint", "resume"]
+    step: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> RunEvent:
+        return cls(**json.loads(line))
+
+
 class LossLog:
-    """Append-only step log that a resumed run truncates to the steps before ``start_step``."""
+    """Append-only step and event logs that a resumed run truncates to the history before ``start_step``."""
 
     def __init__(self, run_dir: str | Path, start_step: int) -> None:
         self.path = Path(run_dir) / "steps.jsonl"
+        self.events_path = Path(run_dir) / "events.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_log(self.path) if r.step < start_step] if self.path.exists() else []
         self.path.write_text("".join(r.to_json() + "\n" for r in kept))
+        # The checkpoint this run resumes from stays; a resume at the same step (killed again before the next
+        # checkpoint) is written once.
+        events = [
+            e
+            for e in (read_events(self.events_path) if self.events_path.exists() else [])
+            if e.step < start_step or (e.step == start_step and e.kind == "checkpoint")
+        ]
+        if start_step > 0:
+            events.append(RunEvent("resume", start_step))
+        self.events_path.write_text("".join(e.to_json() + "\n" for e in events))
         self._file = self.path.open("a")
+        self._events = self.events_path.open("a")
 
     def append(self, record: StepLog) -> None:
         self._file.write(record.to_json() + "\n")
         self._file.flush()
 
+    def checkpoint(self, step: int) -> None:
+        self._events.write(RunEvent("checkpoint", step).to_json() + "\n")
+        self._events.flush()
+
     def close(self) -> None:
         self._file.close()
+        self._events.close()
 
 
 def read_log(path: str | Path) -> list[StepLog]:
@@ -81,8 +118,25 @@ def read_log(path: str | Path) -> list[StepLog]:
     return [StepLog.from_json(line) for line in text.splitlines() if line.strip()]
 
 
-def plot_losses(records: Sequence[StepLog], path: str | Path, title: str) -> Path:
-    """Loss per step (total and per expert, log scale) with a moving average; returns the PNG path."""
+def read_events(path: str | Path) -> list[RunEvent]:
+    text = Path(path).read_text()
+    return [RunEvent.from_json(line) for line in text.splitlines() if line.strip()]
+
+
+def plot_losses(records: Sequence[StepLog], events: Sequence[RunEvent], path: str | Path, title: str) -> Path:
+    """Draw ``loss_figure`` to a PNG; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(records, events, title)
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def loss_figure(records: Sequence[StepLog], events: Sequence[RunEvent], title: str) -> Figure:
+    """Loss per step (total and per expert, log scale) with a moving average, each expert's learning rate on a
+    second axis, and vertical lines where checkpoints committed and where the run resumed."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: pods and CI
@@ -102,12 +156,28 @@ def plot_losses(records: Sequence[StepLog], path: str | Path, title: str) -> Pat
     ax.set_ylabel("flow-matching loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    styles = {
+        "checkpoint": dict(color="tab:green", ls=":", lw=0.9),
+        "resume": dict(color="tab:purple", ls="--", lw=1.4),
+    }
+    for kind, style in styles.items():
+        for i, step in enumerate(sorted({e.step for e in events if e.kind == kind})):
+            ax.axvline(step, label=kind if i == 0 else None, **style)
+    lr_axis = ax.twinx()
+    for expert, color in zip(range(len(EXPERT_LABELS)), ("tab:red", "tab:blue"), strict=True):
+        points = [(r.step, r.learning_rate[expert]) for r in records if expert in r.learning_rate]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            lr_axis.plot(
+                xs, ys, color=color, lw=0.8, alpha=0.5, ls="-.", label=f"{EXPERT_LABELS[expert]} learning rate"
+            )
+    lr_axis.set_ylabel("learning rate")
+    lr_axis.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    lr_handles, lr_labels = lr_axis.get_legend_handles_labels()
+    ax.legend(handles + lr_handles, labels + lr_labels, fontsize="small")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _moving_average(values: list[float], window: int = 10) -> list[float]:

@@ -92,6 +92,8 @@ class Reporter:
 
     def checkpoint(self, next_step: int, seconds: float) -> None:
         self.metrics.record_checkpoint(next_step, seconds, time.time())
+        if self.log is not None:
+            self.log.checkpoint(next_step)
 
     def close(self) -> None:
         if self.bar is not None:

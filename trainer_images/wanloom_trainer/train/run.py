@@ -31,7 +31,7 @@ from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Backend, StepInputs
 from wanloom_trainer.train.inputs import make_planner, renormalised, step_rows, step_slots
-from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_log
+from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_events, read_log
 from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
@@ -375,4 +375,7 @@ def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: R
     reporter.log.close()
     records = read_log(reporter.log.path)
     if records:
-        result.plot = plot_losses(records, Path(config.run_dir) / "loss.png", f"{config.job_name}: flow-matching loss")
+        events = read_events(reporter.log.events_path)
+        result.plot = plot_losses(
+            records, events, Path(config.run_dir) / "loss.png", f"{config.job_name}: flow-matching loss"
+        )
