@@ -109,7 +109,7 @@ async def _start_operator(url: str, metrics_port: int, log: Path) -> tuple[Any, 
         "WANLOOM_PROGRESS_INTERVAL_SECONDS": "10",
         "WANLOOM_LOG_FORMAT": "plain",
     }
-    command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator"]
+    command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator"]
     command += ["--all-namespaces", f"--metrics-port={metrics_port}", "--liveness-port=0"]
     with log.open("w") as sink:
         process = await asyncio.create_subprocess_exec(*command, env=env, stdout=sink, stderr=sink)

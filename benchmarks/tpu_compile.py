@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wanloom_operator.api.validation import load_trainingjob_file
+from wanloom_api.validation import load_trainingjob_file
 from wanloom_trainer.train.compile_tpu import HBM_BYTES_PER_DEVICE, compile_job
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "t2v-a14b-tpu7x-2x4x4x4.yaml"

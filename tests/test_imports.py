@@ -1,4 +1,5 @@
-"""Import boundaries: the trainer never needs kopf/kubernetes, the operator never needs jax/torch."""
+"""Import boundaries: the trainer never needs kopf/kubernetes, the operator never needs jax/torch, and the packages
+import each other only downwards (contract <- operator, trainer <- CLI)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ def _modules_after_import(module: str) -> set[str]:
     [
         ("wanloom_trainer", {"kopf", "kubernetes", "jax", "torch"}),
         ("wanloom_operator", {"jax", "torch", "flax", "triton", "kopf", "kubernetes"}),
-        ("wanloom_operator.api.validation", {"jax", "torch", "kopf", "kubernetes"}),
-        ("wanloom_operator.cli", {"jax", "torch", "flax", "triton", "kopf", "kubernetes"}),
+        ("wanloom_api.validation", {"jax", "torch", "kopf", "kubernetes", "wanloom_operator", "wanloom_trainer"}),
+        (
+            "wanloom_cli",
+            {"jax", "torch", "flax", "triton", "kopf", "kubernetes", "wanloom_operator", "wanloom_trainer"},
+        ),
         ("wanloom_trainer.adaptiveload", {"jax", "torch", "kopf", "kubernetes"}),
         ("wanloom_trainer.routing", {"jax", "torch", "kopf", "kubernetes"}),
     ],
@@ -45,15 +49,54 @@ def _imports_in(path: Path) -> set[str]:
     return names
 
 
-def test_trainer_uses_only_the_operator_api() -> None:
-    for path in (ROOT / "trainer_images" / "wanloom_trainer").rglob("*.py"):
-        for name in _imports_in(path):
-            if name.startswith("wanloom_operator"):
-                assert name.startswith("wanloom_operator.api"), f"{path} imports {name}"
+# Which of our packages each package may import (lazily or not). The contract depends on nothing of ours; the
+# operator and the trainer only on the contract; the CLI sits on top of all three.
+LAYERS = {
+    "wanloom_api": set(),
+    "wanloom_operator": {"wanloom_api"},
+    "wanloom_trainer": {"wanloom_api"},
+    "wanloom_cli": {"wanloom_api", "wanloom_operator", "wanloom_trainer"},
+}
+SOURCE_ROOTS = (ROOT / "operator", ROOT / "trainer_images")
 
 
-def test_operator_core_never_imports_the_trainer() -> None:
-    for path in (ROOT / "operator" / "wanloom_operator").rglob("*.py"):
-        if "cli" in path.relative_to(ROOT / "operator").parts:
-            continue  # CLI commands import the trainer lazily, inside the commands that run it
-        assert not any(n.startswith("wanloom_trainer") for n in _imports_in(path)), path
+def _packages() -> dict[str, Path]:
+    return {p.parent.name: p.parent for root in SOURCE_ROOTS for p in root.glob("*/__init__.py")}
+
+
+def test_every_package_has_a_layer() -> None:
+    assert set(_packages()) == set(LAYERS)
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_packages_import_only_the_layers_below(package: str) -> None:
+    allowed = LAYERS[package] | {package}
+    wrong = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _packages()[package].rglob("*.py")
+        for name in _imports_in(path)
+        if name.startswith("wanloom_") and name.partition(".")[0] not in allowed
+    }
+    assert not wrong, f"{package} may import only {sorted(allowed)}: {sorted(wrong)}"
+
+
+def test_a_cli_command_whose_side_is_not_installed_says_so() -> None:
+    """A trainer image ships without the operator package: `wanloom render` there is one line, not a traceback."""
+    code = (
+        "import sys; sys.modules['wanloom_operator'] = None; sys.argv = ['wanloom', 'render', 'jobs/tiny-local.yaml']\n"
+        "from wanloom_cli import main; main()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "wanloom render: needs wanloom_operator, which this installation leaves out; run it from the operator image "
+        "or a full `pip install wanloom`"
+    ]
+    validate = subprocess.run(
+        [sys.executable, "-c", code.replace("'render'", "'validate'")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert validate.returncode == 0, validate.stderr

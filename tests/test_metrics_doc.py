@@ -1,7 +1,7 @@
 """docs/metrics.md stays in step with the metrics contract and the MFU peak table.
 
 The tables between ``<!-- generated:NAME -->`` and ``<!-- end generated -->`` are produced here from
-``wanloom_operator.api.metrics`` and ``wanloom_trainer.flops``. After changing either, regenerate them with
+``wanloom_api.metrics`` and ``wanloom_trainer.flops``. After changing either, regenerate them with
 
     PYTHONPATH=operator:trainer_images .venv/bin/python tests/test_metrics_doc.py
 """
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from wanloom_operator.api.metrics import OPERATOR_METRICS, TRAINER_METRICS, MetricDef
+from wanloom_api.metrics import OPERATOR_METRICS, TRAINER_METRICS, MetricDef
 from wanloom_trainer.flops import ACCELERATORS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

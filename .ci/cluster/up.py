@@ -354,7 +354,7 @@ def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> N
 def _node_pools() -> list[tuple[str, int, dict[str, str], dict[str, str], str | None]]:
     """Fake node pools, labelled, tainted and sized as GKE provisions them (the operator's own machine table):
     (pool, nodes, labels, capacity, taint key)."""
-    from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, MACHINES
+    from wanloom_api.topology import GKE_GPU_ACCELERATORS, MACHINES
 
     def capacity(kind: str, resource: str) -> dict[str, str]:
         m = MACHINES[kind]

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import yaml
 
-from wanloom_operator.api.trainingjob import GROUP, PLURAL, VERSION
-from wanloom_operator.api.validation import validate_file, validate_trainingjob
+from wanloom_api.trainingjob import GROUP, PLURAL, VERSION
+from wanloom_api.validation import validate_file, validate_trainingjob
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
-INVALID = Path(__file__).resolve().parents[1] / "operator" / "api" / "invalid"
+INVALID = Path(__file__).resolve().parents[1] / "api" / "invalid"
 
 
 def _create(cluster: Any, namespace: str, doc: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:

@@ -137,7 +137,7 @@ def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
     since = time.time()
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "WANLOOM_PROGRESS_INTERVAL_SECONDS": "2",
            "WANLOOM_LOG_FORMAT": "plain"}  # fmt: skip
-    command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator",
+    command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator",
                f"--namespace={WATCHED}", "--metrics-port=0", "--liveness-port=0"]  # fmt: skip
     operator = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     api = client.CustomObjectsApi(cluster.api)

@@ -66,7 +66,7 @@ def _start_operator(
            "KUBECONFIG": cluster.kubeconfig, **(settings or {})}  # fmt: skip
     if TRAINER_IMAGE:
         env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
-    command = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "operator"]
+    command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator"]
     command += [f"--namespace={namespace}", "--metrics-port=0", "--liveness-port=0"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -205,7 +205,7 @@ def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, ope
     placement), GPU pods land on nodes of their accelerator, CPU pods anywhere; every job then succeeds."""
     if not fake_nodes:
         pytest.skip("needs the fake TPU/GPU node pools of `make cluster`")
-    from wanloom_operator.api.validation import load_trainingjob_file
+    from wanloom_api.validation import load_trainingjob_file
     from wanloom_operator.render.pods import pod_shape
     from wanloom_operator.settings import OperatorSettings
 
@@ -409,7 +409,7 @@ def test_a_configuration_error_fails_the_job_without_restarts(
     with maxRestarts left unused (a restart would fail the same way)."""
     if not fake_nodes:
         pytest.skip("KWOK sets the exit code on request (WANLOOM_E2E_FAIL)")
-    from wanloom_operator.api.keys import EXIT_CONFIG_ERROR
+    from wanloom_api.keys import EXIT_CONFIG_ERROR
 
     doc = _trainingjob("e2e-config-error", namespace, maxRestarts=3)
     doc["spec"]["resources"]["env"] = [{"name": "WANLOOM_E2E_FAIL", "value": str(EXIT_CONFIG_ERROR)}]
@@ -608,7 +608,7 @@ def _deadline_seen_first_by_a_jobset_event(k8s: Any, api: Any, namespace: str) -
     import asyncio
     from datetime import UTC, datetime, timedelta
 
-    from wanloom_operator.api.validation import validate_trainingjob
+    from wanloom_api.validation import validate_trainingjob
     from wanloom_operator.reconcile import observe
     from wanloom_operator.reconcile.cluster import Cluster
     from wanloom_operator.reconcile.runtime import Runtime

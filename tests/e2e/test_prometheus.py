@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from wanloom_operator.api.metrics import TRAINER_METRICS
+from wanloom_api.metrics import TRAINER_METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -149,7 +149,7 @@ def _write_data_with_a_missing_shard(workdir: Path) -> None:
 
 def _wanloom() -> list[str]:
     script = Path(sys.executable).with_name("wanloom")
-    return [str(script)] if script.exists() else [sys.executable, "-c", "from wanloom_operator.cli import main; main()"]
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from wanloom_cli import main; main()"]
 
 
 class LocalRun:

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wanloom_operator.api import keys
+from wanloom_api import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "helm" / "wanloom"
@@ -365,7 +365,7 @@ def test_operator_command_line_is_what_wanloom_operator_accepts(
     render: Render, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """Run the real `wanloom operator` CLI with the rendered command, env and args, stopping before kopf starts."""
-    cli = pytest.importorskip("wanloom_operator.cli")
+    cli = pytest.importorskip("wanloom_cli")
     from typer.testing import CliRunner
 
     captured = []

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from wanloom_operator.api.metrics import ALL_METRICS, OPERATOR_METRICS
+from wanloom_api.metrics import ALL_METRICS, OPERATOR_METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "wanloom" / "dashboards" / "wanloom.json"
 CONTRACT = {m.name: m for m in ALL_METRICS}
@@ -47,7 +47,7 @@ def test_every_query_uses_only_contract_metrics() -> None:
         tokens = METRIC_TOKEN.findall(expr)
         assert tokens, f"{title}: no wanloom metric in {expr}"
         unknown = [t for t in tokens if _contract_name(t) is None]
-        assert not unknown, f"{title}: {unknown} are not in wanloom_operator.api.metrics"
+        assert not unknown, f"{title}: {unknown} are not in wanloom_api.metrics"
 
 
 REQUIRED = {

@@ -164,6 +164,17 @@ def test_gpu_image_uses_the_house_torch() -> None:
     assert not {"torch", "jax"} & set(_constraints(_dockerfile("operator")))
 
 
+# Each image ships the contract, the CLI and its own side only (tests/test_imports.py keeps the sides apart).
+SIDES = {"tpu": "wanloom_trainer", "gpu": "wanloom_trainer", "operator": "wanloom_operator"}
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_each_image_ships_only_its_side(image: str) -> None:
+    sources = [a.split()[0] for a in _dockerfile(image).args("COPY")]
+    packages = {Path(src).name for src in sources if src.startswith(("operator/", "trainer_images/"))}
+    assert packages == {"wanloom_api", "wanloom_cli", SIDES[image]}, f"{image}: copies {sorted(packages)}"
+
+
 @pytest.mark.parametrize("image", IMAGES)
 def test_runs_as_a_non_root_user(image: str) -> None:
     df = _dockerfile(image)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 
-from wanloom_operator.api.trainingjob import (
+from wanloom_api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DEFAULT_TIMESTEPS,

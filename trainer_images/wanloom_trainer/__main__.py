@@ -17,8 +17,8 @@ import sys
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint file operation at INFO
-    from wanloom_operator.api.keys import EXIT_CONFIG_ERROR
-    from wanloom_operator.api.validation import InvalidTrainingJob
+    from wanloom_api.keys import EXIT_CONFIG_ERROR
+    from wanloom_api.validation import InvalidTrainingJob
     from wanloom_trainer.config.train_config import load_train_config
 
     try:

@@ -14,8 +14,8 @@ from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from wanloom_operator.api.metrics import metric
-from wanloom_operator.api.trainingjob import Phase
+from wanloom_api.metrics import metric
+from wanloom_api.trainingjob import Phase
 
 PHASES: tuple[str, ...] = get_args(Phase)
 UNKNOWN_PHASE = "Unknown"  # a TrainingJob the operator has not given a phase yet

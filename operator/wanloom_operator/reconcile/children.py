@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wanloom_operator.api import conditions as cond
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import API_VERSION, KIND, TrainingJob
-from wanloom_operator.api.validation import FieldError, InvalidTrainingJob, validate_trainingjob
+from wanloom_api import conditions as cond
+from wanloom_api import keys
+from wanloom_api.trainingjob import API_VERSION, KIND, TrainingJob
+from wanloom_api.validation import FieldError, InvalidTrainingJob, validate_trainingjob
 from wanloom_operator.reconcile.cluster import ApiError
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.reconcile.status import TERMINAL_PHASES, Intent, derive_phase

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes
 import urllib3
 
-from wanloom_operator.api import trainingjob as tj
+from wanloom_api import trainingjob as tj
 from wanloom_operator.settings import OperatorSettings
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"

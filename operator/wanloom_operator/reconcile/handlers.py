@@ -18,8 +18,8 @@ from typing import Any
 
 import kopf
 
-from wanloom_operator.api import keys
-from wanloom_operator.api import trainingjob as tj
+from wanloom_api import keys
+from wanloom_api import trainingjob as tj
 from wanloom_operator.reconcile import children, observe
 from wanloom_operator.reconcile.cluster import API_THREADS, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, ApiError
 from wanloom_operator.reconcile.runtime import Runtime

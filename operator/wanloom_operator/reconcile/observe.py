@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 
-from wanloom_operator.api import conditions as cond
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import API_VERSION, KIND
-from wanloom_operator.api.validation import validate_trainingjob
+from wanloom_api import conditions as cond
+from wanloom_api import keys
+from wanloom_api.trainingjob import API_VERSION, KIND
+from wanloom_api.validation import validate_trainingjob
 from wanloom_operator.reconcile import progress
 from wanloom_operator.reconcile.children import manifest, owned_by
 from wanloom_operator.reconcile.runtime import Runtime

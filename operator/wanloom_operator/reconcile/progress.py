@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from wanloom_operator.api import keys
+from wanloom_api import keys
 
 STEP = "wanloom_step"
 TOTAL_STEPS = "wanloom_total_steps"

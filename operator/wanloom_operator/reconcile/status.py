@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from wanloom_operator.api import conditions as cond
+from wanloom_api import conditions as cond
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 DEADLINE_EXCEEDED = "DeadlineExceeded"

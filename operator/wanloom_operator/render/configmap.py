@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import TrainingJob
+from wanloom_api import keys
+from wanloom_api.trainingjob import TrainingJob
 
 _VOLATILE_SPEC_FIELDS = {"suspend"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wanloom_operator.api import keys
+from wanloom_api import keys
 from wanloom_operator.render.names import Names
 from wanloom_operator.render.pods import PodShape
 from wanloom_operator.settings import OperatorSettings

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import API_VERSION, KIND, TrainingJob
-from wanloom_operator.api.validation import FieldError, InvalidTrainingJob
+from wanloom_api import keys
+from wanloom_api.trainingjob import API_VERSION, KIND, TrainingJob
+from wanloom_api.validation import FieldError, InvalidTrainingJob
 from wanloom_operator.render import env, overrides, policy
 from wanloom_operator.render.configmap import configmap_data, spec_hash
 from wanloom_operator.render.names import Names, job_names

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from wanloom_operator.api.trainingjob import ResourcesSpec
+from wanloom_api.trainingjob import ResourcesSpec
 
 
 def merge_node_selector(rendered: dict[str, str], user: dict[str, str]) -> dict[str, str]:

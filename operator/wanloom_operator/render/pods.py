@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.topology import GKE_GPU_ACCELERATORS, MACHINES, REQUEST_FRACTION, Machine, tpu7x_slice
-from wanloom_operator.api.trainingjob import TrainingJobSpec
+from wanloom_api import keys
+from wanloom_api.topology import GKE_GPU_ACCELERATORS, MACHINES, REQUEST_FRACTION, Machine, tpu7x_slice
+from wanloom_api.trainingjob import TrainingJobSpec
 from wanloom_operator.settings import OperatorSettings
 
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from wanloom_operator.api.keys import EXIT_CONFIG_ERROR
-from wanloom_operator.api.trainingjob import TrainingJobSpec
+from wanloom_api.keys import EXIT_CONFIG_ERROR
+from wanloom_api.trainingjob import TrainingJobSpec
 from wanloom_operator.render.pods import CONTAINER_NAME
 
 DISRUPTION_RULE = "RestartOnPreemptionOrMaintenance"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from wanloom_operator.api.metrics import OPERATOR_METRICS
+from wanloom_api.metrics import OPERATOR_METRICS
 from wanloom_operator.metrics.operator import OperatorMetrics
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wanloom_operator.api import conditions as cond
+from wanloom_api import conditions as cond
 from wanloom_operator.reconcile.children import Outcome, owned_by
 
 

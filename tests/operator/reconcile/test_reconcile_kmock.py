@@ -11,8 +11,8 @@ from typing import Any
 import kmock as km
 from kmock_world import CM, GPU_SPEC, JS, World, eventually
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.validation import parse_trainingjob
+from wanloom_api import keys
+from wanloom_api.validation import parse_trainingjob
 from wanloom_operator.reconcile.children import manifest
 from wanloom_operator.render.jobset import render_trainingjob, trainer_container
 from wanloom_operator.settings import OperatorSettings

@@ -14,8 +14,8 @@ import pytest
 from kmock_world import GPU_SPEC, JS, NS, World, eventually, free_port
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.metrics import STEP_TIME_BUCKETS
+from wanloom_api import keys
+from wanloom_api.metrics import STEP_TIME_BUCKETS
 
 Start = Callable[..., Any]
 

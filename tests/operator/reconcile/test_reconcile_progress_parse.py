@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wanloom_operator.api import keys
+from wanloom_api import keys
 from wanloom_operator.reconcile.progress import parse_metrics, progress_patch, rank0_host, rank0_pod, step_time_seconds
 
 TEXT = """# HELP wanloom_step Last completed optimizer step.

@@ -53,7 +53,7 @@ async def test_wanloom_operator_process(world: World) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "from wanloom_operator.cli import main; main()",
+        "from wanloom_cli import main; main()",
         "operator",
         "--all-namespaces",  # kmock cannot list namespaces (its path parser); --namespace is tested on kind
         f"--liveness-port={liveness}",

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from wanloom_operator.api.trainingjob import TrainingJobStatus
+from wanloom_api.trainingjob import TrainingJobStatus
 from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status
 
 

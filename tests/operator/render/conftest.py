@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wanloom_operator.api.trainingjob import TrainingJob
-from wanloom_operator.api.validation import parse_trainingjob
+from wanloom_api.trainingjob import TrainingJob
+from wanloom_api.validation import parse_trainingjob
 from wanloom_operator.settings import OperatorSettings
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import TrainingJob
-from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file, parse_trainingjob
+from wanloom_api import keys
+from wanloom_api.trainingjob import TrainingJob
+from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file, parse_trainingjob
 from wanloom_operator.render.jobset import Rendered, pod_spec, render_trainingjob, trainer_container
 from wanloom_operator.settings import OperatorSettings
 

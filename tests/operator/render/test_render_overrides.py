@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import TrainingJob
+from wanloom_api import keys
+from wanloom_api.trainingjob import TrainingJob
 from wanloom_operator.render.jobset import pod_spec, render_trainingjob, trainer_container
 from wanloom_operator.settings import OperatorSettings
 

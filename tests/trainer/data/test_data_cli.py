@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from wanloom_operator.cli import app
+from wanloom_cli import app
 from wanloom_trainer.data.reader import read_index
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from wanloom_operator.api.trainingjob import DataSpec, TrainingJob
+from wanloom_api.trainingjob import DataSpec, TrainingJob
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.synth import (

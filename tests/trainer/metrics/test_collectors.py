@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wanloom_operator.api.metrics import ALL_METRICS, MetricDef
+from wanloom_api.metrics import ALL_METRICS, MetricDef
 from wanloom_trainer.metrics.collectors import build_collector
 
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wanloom_operator.api.metrics import TRAINER_METRICS
+from wanloom_api.metrics import TRAINER_METRICS
 from wanloom_trainer import flops
 from wanloom_trainer.metrics import StepRecord, TrainerMetrics, expert_label
 

@@ -60,7 +60,7 @@ def _merge(into: dict, update: dict) -> None:
 @pytest.fixture
 def make_config(repo_root: Path, tmp_path: Path):
     """``make(env=None, **spec) -> TrainConfig`` of the tiny torch job (``WANLOOM_RUN_DIR`` under tmp_path)."""
-    from wanloom_operator.api.validation import parse_trainingjob
+    from wanloom_api.validation import parse_trainingjob
     from wanloom_trainer.config.train_config import from_trainingjob
 
     def make(env: dict | None = None, **spec: object):

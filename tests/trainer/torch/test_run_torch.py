@@ -49,7 +49,7 @@ def test_driver_crash_and_resume_reproduce_the_uninterrupted_losses(make_config,
 def _wanloom_run(repo_root, tmp_path, processes: int) -> tuple[float, list[dict]]:
     run_dir = tmp_path / f"p{processes}"
     env = {**os.environ, "PYTHONPATH": f"{repo_root / 'operator'}:{repo_root / 'trainer_images'}"}
-    cmd = [sys.executable, "-c", "from wanloom_operator.cli import main; main()", "run",
+    cmd = [sys.executable, "-c", "from wanloom_cli import main; main()", "run",
            str(repo_root / "jobs" / "tiny-local-torch.yaml"), "--processes", str(processes), "--metrics-port", "0",
            "--run-dir", str(run_dir), "--no-progress"]  # fmt: skip
     start = time.perf_counter()

@@ -19,7 +19,7 @@ JOBS = Path(__file__).resolve().parents[3] / "jobs"
 
 def wanloom(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -68,7 +68,7 @@ def test_two_processes_adopt_process_0s_refit_together(tmp_path: Path) -> None:
     doc["spec"]["training"]["checkpoint"]["uri"] = str(tmp_path / "checkpoints")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     args = ["run", str(job), "--processes", "2", "--steps", "20", "--metrics-port", "0", "--no-progress",
             "--run-dir", str(tmp_path / "run")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from wanloom_operator.api import keys
+from wanloom_api import keys
 from wanloom_trainer.config.train_config import from_trainingjob
 from wanloom_trainer.train.launch import pod_env, with_overrides
 from wanloom_trainer.train.loss_log import read_log
@@ -39,7 +39,7 @@ def test_overrides_reject_what_cannot_run_locally(tiny: Any, tmp_path: Path) -> 
 
 
 def _wanloom(args: list[str], cwd: Path, env: dict[str, str]) -> str:
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     proc = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-CLI = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+CLI = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
 
 
 def _job(tmp_path: Path, name: str) -> Path:

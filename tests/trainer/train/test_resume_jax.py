@@ -40,7 +40,7 @@ def test_sigkilled_wanloom_run_resumes_to_the_same_losses(tiny: Any, tmp_path: P
     for name in ("whole", "killed"):
         (tmp_path / name).mkdir()
         runs[name] = tiny.write_job(tmp_path / name / "job.yaml", tiny.tiny_job(tmp_path / name, **spec))
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
 
     def start(name: str) -> subprocess.Popen:
         args = ["run", str(runs[name]), "--metrics-port", "0", "--no-progress"]

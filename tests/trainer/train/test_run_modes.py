@@ -31,7 +31,7 @@ def _job(tmp_path: Path, name: str, backend: str, fraction: float | None = None)
 
 
 def _run(job: Path, tmp_path: Path, steps: int, run_dir: str) -> list:
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     args = ["run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress", "--run-dir",
             str(tmp_path / run_dir)]  # fmt: skip
     proc = subprocess.run(

@@ -27,7 +27,7 @@ def scrape(port: int) -> str:
 
 
 def wanloom(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
 
 

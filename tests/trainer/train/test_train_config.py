@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wanloom_operator.api.validation import load_trainingjob_file
+from wanloom_api.validation import load_trainingjob_file
 from wanloom_trainer.config.train_config import from_trainingjob, load_train_config
 from wanloom_trainer.routing import HIGH_NOISE
 

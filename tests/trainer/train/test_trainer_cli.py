@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from wanloom_operator.cli import app
+from wanloom_cli import app
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,7 +59,7 @@ def _job(tmp_path: Path, data_uri: str, *, synthetic: bool = False, max_bad: int
 
 
 def _run(job: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    code = "import sys; from wanloom_operator.cli import main; sys.argv[0] = 'wanloom'; main()"
+    code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     args = ["run", str(job), "--steps", "2", "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path / "r")]
     return subprocess.run(
         [sys.executable, "-c", code, *args, *extra],

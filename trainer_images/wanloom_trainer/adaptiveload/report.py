@@ -142,8 +142,8 @@ def run_plan(
     object ``{"mode", "ranks", "expert_share", "policies": {policy: {...}}}``."""
     import json
 
-    from wanloom_operator.api.metrics import EXPERT_LABELS
-    from wanloom_operator.api.validation import load_trainingjob_file
+    from wanloom_api.metrics import EXPERT_LABELS
+    from wanloom_api.validation import load_trainingjob_file
     from wanloom_trainer.config.train_config import from_trainingjob
 
     config = from_trainingjob(load_trainingjob_file(trainingjob_path), {})

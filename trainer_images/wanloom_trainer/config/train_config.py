@@ -4,7 +4,7 @@
 both backends (JAX and PyTorch) and every phase of ``train.run`` receive the typed pieces below instead. Pure
 Python: no jax, no torch, no I/O besides ``load_train_config`` reading the mounted TrainingJob file.
 
-Environment (names in ``wanloom_operator.api.keys``; docs/startup-contract.md):
+Environment (names in ``wanloom_api.keys``; docs/startup-contract.md):
 
     WANLOOM_CONFIG               path of the TrainingJob YAML (``load_train_config`` only)
     WANLOOM_COORDINATOR_ADDRESS  host:port of process 0; unset = one process
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import TrainingJob, TrainingJobSpec
-from wanloom_operator.api.validation import device_count, load_trainingjob_file, resolve_parallelism
+from wanloom_api import keys
+from wanloom_api.trainingjob import TrainingJob, TrainingJobSpec
+from wanloom_api.validation import device_count, load_trainingjob_file, resolve_parallelism
 from wanloom_trainer.config.variants import WanVariant, get_variant
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")

@@ -1,7 +1,7 @@
 """Wan model sizes as one table, keyed by the TrainingJob's ``model.variant``.
 
 Numbers follow the official Wan 2.2 configs and diffusers' ``WanTransformer3DModel`` (see docs/architecture.md).
-Routing defaults (the boundary ratio per variant) belong to the API, ``wanloom_operator.api.trainingjob``.
+Routing defaults (the boundary ratio per variant) belong to the API, ``wanloom_api.trainingjob``.
 Pure Python: AdaptiveLoad, FLOP accounting and both trainers read it without importing jax or torch.
 """
 

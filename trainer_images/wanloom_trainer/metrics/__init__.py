@@ -1,4 +1,4 @@
-"""Trainer-side Prometheus metrics; names, types and labels come from ``wanloom_operator.api.metrics``."""
+"""Trainer-side Prometheus metrics; names, types and labels come from ``wanloom_api.metrics``."""
 
 from wanloom_trainer.metrics.exporter import StepRecord, TrainerMetrics, expert_label
 

@@ -1,4 +1,4 @@
-"""Prometheus collectors built from the metrics contract (``wanloom_operator.api.metrics``), never from literals.
+"""Prometheus collectors built from the metrics contract (``wanloom_api.metrics``), never from literals.
 
 The contract row says the name, type, help, labels and buckets; this module only turns a row into the matching
 prometheus-client object, so a renamed or relabelled metric changes in exactly one place.
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.metrics import MetricWrapperBase
 
-from wanloom_operator.api.metrics import MetricDef
+from wanloom_api.metrics import MetricDef
 
 
 def build_collector(spec: MetricDef, registry: CollectorRegistry) -> MetricWrapperBase:

@@ -1,6 +1,6 @@
 """The trainers' Prometheus exporter: one ``TrainerMetrics`` per process, fed one ``StepRecord`` per step.
 
-Every metric comes from the contract table (``wanloom_operator.api.metrics.TRAINER_METRICS``); a row's
+Every metric comes from the contract table (``wanloom_api.metrics.TRAINER_METRICS``); a row's
 ``exported_by`` decides where it lives: "trainer" rows on every rank, "trainer rank 0" rows only on rank 0, which
 alone sees the cross-rank numbers (load-imbalance CV, compute-load CV, straggler overhead, tokens/s, MFU, loss).
 Definitions of the derived numbers are in docs/metrics.md; the CV and straggler math is AdaptiveLoad's
@@ -26,7 +26,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from wanloom_operator.api.metrics import (
+from wanloom_api.metrics import (
     COST_MODEL_LABELS,
     EXPERT_LABELS,
     REFIT_OUTCOMES,

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from wanloom_operator.api.metrics import EXPERT_LABELS
+from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer.config import variants
 from wanloom_trainer.config.variants import VARIANTS, WanVariant
 from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for

@@ -22,7 +22,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
-from wanloom_operator.api.metrics import EXPERT_LABELS
+from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS, WanVariant
 
 # Expert index (``wanloom_trainer.routing.HIGH_NOISE`` = 0, ``LOW_NOISE`` = 1) -> (name, diffusers subfolder).

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.trainingjob import TrainingJob
+from wanloom_api import keys
+from wanloom_api.trainingjob import TrainingJob
 
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 

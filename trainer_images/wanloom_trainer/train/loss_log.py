@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-from wanloom_operator.api.metrics import EXPERT_LABELS
+from wanloom_api.metrics import EXPERT_LABELS
 
 _PER_EXPERT = ("expert_loss", "expert_samples", "grad_norm", "learning_rate")
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from wanloom_operator.api.trainingjob import TrainingJob
-from wanloom_operator.api.validation import parse_trainingjob
+from wanloom_api.trainingjob import TrainingJob
+from wanloom_api.validation import parse_trainingjob
 from wanloom_trainer.config.train_config import TrainConfig, from_trainingjob
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from wanloom_operator.api import trainingjob as tj
+from wanloom_api import trainingjob as tj
 
 _DROP_KEYS = {"title", "discriminator"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from wanloom_operator.api.validation import (
+from wanloom_api.validation import (
     device_count,
     load_trainingjob_file,
     resolve_parallelism,
@@ -17,7 +17,7 @@ from wanloom_operator.api.validation import (
     validate_trainingjob,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 INVALID = sorted((Path(__file__).parent / "invalid").glob("*.yaml"))
 
@@ -29,7 +29,7 @@ def _expected_paths(path: Path) -> list[str]:
 
 def _wanloom(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from wanloom_operator.cli import main; main()", *args],
+        [sys.executable, "-c", "from wanloom_cli import main; main()", *args],
         capture_output=True,
         text=True,
         timeout=60,

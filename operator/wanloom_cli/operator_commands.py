@@ -1,7 +1,7 @@
 """`wanloom render` (what the operator would create) and `wanloom operator` (run it).
 
-kopf and the Kubernetes client are imported inside `operator` only, so `wanloom validate` and `wanloom render` start
-without them.
+The operator package is imported inside the commands (the trainer images ship without it), and kopf and the
+Kubernetes client inside `operator` only, so `wanloom validate` and `wanloom render` start without them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file
-from wanloom_operator.render.jobset import render_trainingjob
-from wanloom_operator.settings import OperatorSettings
+from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
 
 _HEADER = (
     "# Rendered by `wanloom render`: what the operator creates for this TrainingJob. The ownerReferences uid is the\n"
@@ -48,6 +46,9 @@ def render(
     output: Annotated[str, typer.Option("--output", "-o", help="yaml or json.")] = "yaml",
 ) -> None:
     """Print the ConfigMap and JobSet the operator would create for FILE (images from WANLOOM_TRAINER_IMAGE_*)."""
+    from wanloom_operator.render.jobset import render_trainingjob
+    from wanloom_operator.settings import OperatorSettings
+
     if output not in ("yaml", "json"):
         raise typer.BadParameter(f"--output must be yaml or json (got {output!r})")
     try:
@@ -77,6 +78,7 @@ def operator(
 ) -> None:
     """Run the operator: TrainingJobs -> JobSets, status and progress (settings from WANLOOM_* env and flags)."""
     from wanloom_operator.reconcile.runner import run_operator  # kopf and kubernetes load only here
+    from wanloom_operator.settings import OperatorSettings
 
     if namespace and all_namespaces:
         raise typer.BadParameter("use either --namespace or --all-namespaces")

@@ -11,10 +11,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wanloom_operator.api.crd import trainingjob_crd
-from wanloom_operator.cli.api_commands import CHART_CRD_PATH, chart_crd_text
+from wanloom_api.crd import trainingjob_crd
+from wanloom_cli.api_commands import CHART_CRD_PATH, chart_crd_text
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "wanloom"
 
 
@@ -109,7 +109,7 @@ def test_crd_schema_rejects_bad_enum() -> None:
 
 
 def test_reference_doc_matches_models() -> None:
-    from wanloom_operator.api.reference_doc import trainingjob_reference
+    from wanloom_api.reference_doc import trainingjob_reference
 
     committed = (ROOT / "docs" / "trainingjob.md").read_text()
     assert committed == trainingjob_reference(), "docs/trainingjob.md drifted: run `wanloom docs > docs/trainingjob.md`"

@@ -14,8 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.topology import (
+from wanloom_api import keys
+from wanloom_api.topology import (
     GPUS_PER_NODE,
     TENSORCORES_PER_TPU7X_CHIP,
     TPU7X_TOPOLOGY_MAX_LENGTH,

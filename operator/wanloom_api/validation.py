@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from wanloom_operator.api import keys
-from wanloom_operator.api.topology import GPUS_PER_NODE, tpu7x_slice
-from wanloom_operator.api.trainingjob import (
+from wanloom_api import keys
+from wanloom_api.topology import GPUS_PER_NODE, tpu7x_slice
+from wanloom_api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,

@@ -9,12 +9,12 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from wanloom_operator.api.validation import load_trainingjob_file
-from wanloom_operator.cli import app
+from wanloom_api.validation import load_trainingjob_file
+from wanloom_cli import app
 from wanloom_operator.render.jobset import render_trainingjob
 from wanloom_operator.settings import OperatorSettings
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "jobs" / "t2v-a14b-tpu7x-2x4x4x4.yaml"
 
 
@@ -52,7 +52,7 @@ def test_operator_help_lists_its_flags() -> None:
 
 def test_cli_and_render_import_no_kopf_and_no_client() -> None:
     code = (
-        "import sys, wanloom_operator.cli, wanloom_operator.render.jobset;"
+        "import sys, wanloom_cli, wanloom_operator.render.jobset;"
         "bad = [m for m in ('kopf', 'kubernetes', 'jax', 'torch') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

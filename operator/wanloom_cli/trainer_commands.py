@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from wanloom_operator.api.validation import InvalidTrainingJob, load_trainingjob_file
+from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: the run checkpointed and stopped early
 

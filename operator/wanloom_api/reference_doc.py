@@ -9,11 +9,11 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from wanloom_operator.api import trainingjob as tj
+from wanloom_api import trainingjob as tj
 
 _INTRO = """# TrainingJob reference (`wanloom.dev/v1alpha1`)
 
-Generated from `wanloom_operator.api.trainingjob` by `wanloom docs > docs/trainingjob.md`; a test fails when it
+Generated from `wanloom_api.trainingjob` by `wanloom docs > docs/trainingjob.md`; a test fails when it
 drifts. `wanloom validate FILE` runs every rule below plus the cross-field rules listed at the end, and reports
 each problem with its field path; `kubectl apply` refuses the same manifests (the CRD carries the rules as CEL, and
 a test compares the two on generated broken manifests). The API server's semantics hold in both: camelCase keys
