@@ -133,7 +133,7 @@ def minimal_jax(config: Any, recorded: list[Any]) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from wanloom_trainer.model.wan_nnx import init_model
+    from wanloom_trainer.model.wan_jax import init_model
     from wanloom_trainer.train.step_jax import flow_matching_loss, moment_transform, packed_flow_matching_loss
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

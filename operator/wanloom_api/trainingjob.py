@@ -274,6 +274,10 @@ class BucketSpec(_Model):
     height: int = Field(ge=16, description="Pixel height.")
     width: int = Field(ge=16, description="Pixel width.")
 
+    @property
+    def pixels(self) -> tuple[int, int, int]:
+        return (self.frames, self.height, self.width)
+
 
 class AdaptiveLoadSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (

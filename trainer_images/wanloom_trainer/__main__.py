@@ -26,7 +26,7 @@ def main() -> int:
     except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
         print(f"wanloom trainer: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from wanloom_trainer.distributed import prepare_platform
+    from wanloom_trainer.distributed_jax import prepare_platform
 
     prepare_platform(config)  # before jax is imported anywhere
     from wanloom_trainer.train.run import run

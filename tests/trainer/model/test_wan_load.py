@@ -22,7 +22,7 @@ from wanloom_trainer.model.load import (
     variant_from_config,
 )
 from wanloom_trainer.model.params import param_name
-from wanloom_trainer.model.wan_nnx import abstract_model
+from wanloom_trainer.model.wan_jax import abstract_model
 
 torch = pytest.importorskip("torch")
 

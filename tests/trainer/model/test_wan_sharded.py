@@ -25,7 +25,7 @@ MESH_SCRIPT = textwrap.dedent(
     from wanloom_trainer.config.variants import get_variant
     from wanloom_trainer.model.load import load_diffusers_transformer
     from wanloom_trainer.model.params import param_name
-    from wanloom_trainer.model.wan_nnx import init_model
+    from wanloom_trainer.model.wan_jax import init_model
 
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)

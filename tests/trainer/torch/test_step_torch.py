@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from wanloom_trainer.config.train_config import OptimizerConfig
+from wanloom_api.trainingjob import OptimizerSpec
 from wanloom_trainer.model.wan_torch import build_expert
 from wanloom_trainer.train.backend import RankRows
 from wanloom_trainer.train.objective import batch_noise, flow_matching_loss_np, noisy_latents_np
 from wanloom_trainer.train.step_torch import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 
-OPT = OptimizerConfig(1e-3, "constant", 0, (0.9, 0.999), 1e-8, 0.01, None, False)
+OPT = OptimizerSpec.model_validate({"learningRate": 1e-3, "weightDecay": 0.01})
 
 
 def _rows(variant, ids: list[int], weights: list[float], condition: bool = False) -> RankRows:
@@ -90,7 +90,7 @@ def test_eager_adamw_state_steps_exactly_like_torch_lazy_adamw(tiny) -> None:
 
 def test_clipping_scales_to_the_max_norm_and_reports_the_norm_before(tiny) -> None:
     model = build_expert(tiny, seed=0)
-    optimizer = make_adamw(model.parameters(), dataclasses.replace(OPT, weight_decay=0.0))
+    optimizer = make_adamw(model.parameters(), OPT.model_copy(update={"weight_decay": 0.0}))
     accumulate(model, _rows(tiny, [3, 4], [1.0, 1.0]), torch.device("cpu"), torch.float32)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])))

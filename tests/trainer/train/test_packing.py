@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from wanloom_trainer.config.variants import get_variant
-from wanloom_trainer.model.wan_nnx import init_model
+from wanloom_trainer.model.wan_jax import init_model
 from wanloom_trainer.train.backend import RankRows
 from wanloom_trainer.train.objective import batch_noise
 from wanloom_trainer.train.packing import grid_positions, pack_rows, patchify

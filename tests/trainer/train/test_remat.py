@@ -15,7 +15,7 @@ from flax import nnx  # noqa: E402
 from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 
 from wanloom_trainer.config.variants import get_variant  # noqa: E402
-from wanloom_trainer.model.wan_nnx import init_model  # noqa: E402
+from wanloom_trainer.model.wan_jax import init_model  # noqa: E402
 from wanloom_trainer.train.backend_jax import REMAT  # noqa: E402
 from wanloom_trainer.train.step_jax import flow_matching_loss  # noqa: E402
 

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 
-from wanloom_trainer.config.train_config import OptimizerConfig, RoutingConfig
+from wanloom_api.trainingjob import OptimizerSpec
+from wanloom_trainer.config.train_config import RoutingConfig
 from wanloom_trainer.train.schedule import base_learning_rate, expert_lr_scales, learning_rates
 
-OPT = OptimizerConfig(
-    learning_rate=1e-3,
-    schedule="cosine",
-    warmup_steps=10,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=0.0,
-    clip_grad_norm=None,
-    per_expert_lr_scaling=False,
-)
+OPT = OptimizerSpec.model_validate({"learningRate": 1e-3, "schedule": "cosine", "warmupSteps": 10})
 ROUTING = RoutingConfig(0.875, "per-sample", "uniform", 0.0, 1.0, 1.0, "none")
 
 
@@ -40,14 +31,14 @@ def test_warmup_starts_above_zero_and_reaches_the_peak() -> None:
     ],
 )
 def test_decay_shapes(schedule: str, step: int, expected: float) -> None:
-    opt = dataclasses.replace(OPT, schedule=schedule)
+    opt = OPT.model_copy(update={"schedule": schedule})
     assert base_learning_rate(opt, step, 100) == pytest.approx(expected)
     assert base_learning_rate(opt, step, 100) > 0
 
 
 def test_per_expert_scaling_uses_the_expected_share() -> None:
     assert expert_lr_scales(OPT, ROUTING, 2) == (1.0, 1.0)
-    scaled = expert_lr_scales(dataclasses.replace(OPT, per_expert_lr_scaling=True), ROUTING, 2)
+    scaled = expert_lr_scales(OPT.model_copy(update={"per_expert_lr_scaling": True}), ROUTING, 2)
     assert scaled == pytest.approx((0.125, 0.875))  # uniform t, boundary 875: 12.5% of samples are high-noise
     assert learning_rates(OPT, scaled, 50, 100)[0] == pytest.approx(0.125 * base_learning_rate(OPT, 50, 100))
-    assert expert_lr_scales(dataclasses.replace(OPT, per_expert_lr_scaling=True), ROUTING, 1) == (1.0,)
+    assert expert_lr_scales(OPT.model_copy(update={"per_expert_lr_scaling": True}), ROUTING, 1) == (1.0,)

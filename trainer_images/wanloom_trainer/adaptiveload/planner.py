@@ -333,5 +333,5 @@ def planner_from_config(
         sequence_multiple=config.parallel.context * config.parallel.tensor,
         same_samples=same_samples,
     )
-    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, list(al.buckets))
+    buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, [b.pixels for b in al.buckets])
     return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from wanloom_trainer.config.train_config import CheckpointConfig
+from wanloom_api.trainingjob import CheckpointSpec
 
 
 def _key_name(entry: Any) -> str:
@@ -50,7 +50,7 @@ def _abstract(leaf: jax.Array) -> jax.ShapeDtypeStruct:
 class OrbaxCheckpointer:
     """Save/restore a state pytree and its JSON record with orbax's ``CheckpointManager``."""
 
-    def __init__(self, config: CheckpointConfig, *, asynchronous: bool = True) -> None:
+    def __init__(self, config: CheckpointSpec, *, asynchronous: bool = True) -> None:
         if config.uri is None:
             raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
         options = ocp.CheckpointManagerOptions(

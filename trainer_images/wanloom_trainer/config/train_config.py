@@ -1,21 +1,11 @@
-"""The trainer's typed configuration: frozen dataclasses built from a TrainingJob and the pod environment.
+"""The trainer's typed configuration: the TrainingJob's frozen spec models, plus what is resolved from them.
 
-``from_trainingjob(job, env)`` is the only place the TrainingJob spec and the ``WANLOOM_*`` environment are read;
-both backends (JAX and PyTorch) and every phase of ``train.run`` receive the typed pieces below instead. Pure
-Python: no jax, no torch, no I/O besides ``load_train_config`` reading the mounted TrainingJob file.
-
-Environment (names in ``wanloom_api.keys``; docs/startup-contract.md):
-
-    WANLOOM_CONFIG               path of the TrainingJob YAML (``load_train_config`` only)
-    WANLOOM_COORDINATOR_ADDRESS  host:port of process 0; unset = one process
-    WANLOOM_NUM_SLICES           slices (TPU multi-slice replicas); default 1
-    WANLOOM_SLICE_INDEX          this pod's slice; default 0
-    WANLOOM_HOSTS_PER_SLICE      pods per slice; default 1
-    WANLOOM_HOST_INDEX           this pod's index within its slice; default 0
-    WANLOOM_DEVICES_PER_HOST     accelerator devices per pod (informational; checked against jax)
-    WANLOOM_METRICS_PORT         Prometheus port (overrides spec.metricsPort; 0 disables the exporter)
-    WANLOOM_RUN_DIR              local scratch for plots and the loss log; default runs/<job name>
-    WANLOOM_JOB_NAME, WANLOOM_NAMESPACE   labels for metrics
+``from_trainingjob(job, env)`` is the only place the TrainingJob spec and the ``WANLOOM_*`` environment are read.
+Spec sections the trainer uses as written (optimizer, data, AdaptiveLoad, checkpoints) are passed through as the
+API's frozen models, local paths made absolute; dataclasses hold only resolved values: the model (attention
+resolved, the variant's architecture), routing (the variant's defaults), the mesh degrees (``-1`` filled), and
+where the process sits (``config.environment``). Pure Python: no jax, no torch, no I/O besides
+``load_train_config`` reading the mounted TrainingJob file.
 """
 
 from __future__ import annotations
@@ -28,8 +18,16 @@ from pathlib import Path
 from typing import Literal
 
 from wanloom_api import keys
-from wanloom_api.trainingjob import TrainingJob, TrainingJobSpec
+from wanloom_api.trainingjob import (
+    AdaptiveLoadSpec,
+    CheckpointSpec,
+    DataSpec,
+    OptimizerSpec,
+    TrainingJob,
+    TrainingJobSpec,
+)
 from wanloom_api.validation import device_count, load_trainingjob_file, resolve_parallelism
+from wanloom_trainer.config.environment import DistributedConfig, distributed_from_env, env_int
 from wanloom_trainer.config.variants import WanVariant, get_variant
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
@@ -83,20 +81,6 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW per expert; the schedule follows the global step (see ``train.optimizer_jax``)."""
-
-    learning_rate: float
-    schedule: Literal["constant", "cosine", "linear"]
-    warmup_steps: int
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    clip_grad_norm: float | None
-    per_expert_lr_scaling: bool
-
-
-@dataclass(frozen=True)
 class ParallelConfig:
     """Resolved mesh degrees (their product is the job's device count) and the remat policy."""
 
@@ -120,70 +104,6 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class SyntheticConfig:
-    samples: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the latents are (``uri``/``index``), whether to synthesise them first, and loader limits."""
-
-    uri: str
-    index: str | None
-    synthetic: SyntheticConfig | None
-    prefetch: int
-    max_bad_samples: int
-    storage_outage_seconds: float = 600.0
-
-
-@dataclass(frozen=True)
-class AdaptiveLoadConfig:
-    enabled: bool
-    scheduler: Literal["balanced", "paper", "equal-tokens"]
-    memory_budget_tokens: int
-    compute_budget: float | None
-    exponent: float | None
-    cost_model: Literal["auto", "power", "two-term"]
-    bench_file: str | None
-    buckets: tuple[tuple[int, int, int], ...] | None  # pixel (frames, height, width)
-    refit_every_steps: int = 0
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    uri: str | None  # gs://... or an absolute path; None disables checkpoints
-    interval: int
-    keep: int
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """Where this process sits in the job (the operator's pod environment)."""
-
-    coordinator_address: str | None
-    num_slices: int
-    slice_index: int
-    hosts_per_slice: int
-    host_index: int
-    devices_per_host: int | None
-    # torchrun's LOCAL_RANK: several trainer processes share a GPU pod (and its metrics port); 0 elsewhere.
-    local_rank: int = 0
-
-    @property
-    def num_processes(self) -> int:
-        return self.num_slices * self.hosts_per_slice
-
-    @property
-    def process_id(self) -> int:
-        return keys.global_process_id(self.slice_index, self.hosts_per_slice, self.host_index)
-
-    @property
-    def multi_process(self) -> bool:
-        return self.num_processes > 1
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """Everything one trainer process needs, typed; built by :func:`from_trainingjob`."""
 
@@ -194,11 +114,11 @@ class TrainConfig:
     accelerator_type: str | None  # flops.ACCELERATORS key for MFU ("tpu7x-tensorcore", "h100", ...); None on CPU
     model: ModelConfig
     routing: RoutingConfig
-    optimizer: OptimizerConfig
+    optimizer: OptimizerSpec
     parallel: ParallelConfig
-    data: DataConfig
-    adaptive_load: AdaptiveLoadConfig
-    checkpoint: CheckpointConfig
+    data: DataSpec  # uri and index: gs:// or absolute
+    adaptive_load: AdaptiveLoadSpec  # benchFile: gs:// or absolute
+    checkpoint: CheckpointSpec  # uri: gs://, absolute or None
     distributed: DistributedConfig
     steps: int
     global_batch: int
@@ -237,18 +157,18 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         accelerator_type=_accelerator_type(spec),
         model=_model(spec),
         routing=_routing(spec),
-        optimizer=_optimizer(spec),
+        optimizer=spec.optimizer,
         parallel=_parallel(spec),
-        data=_data(spec),
-        adaptive_load=_adaptive_load(spec),
-        checkpoint=_checkpoint(spec),
-        distributed=_distributed(env),
+        data=spec.data.model_copy(update={"uri": _uri(spec.data.uri), "index": _uri(spec.data.index)}),
+        adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
+        checkpoint=spec.training.checkpoint.model_copy(update={"uri": _uri(spec.training.checkpoint.uri)}),
+        distributed=distributed_from_env(env),
         steps=spec.training.steps,
         global_batch=spec.training.global_batch,
         seed=spec.training.seed,
         image_to_video_fraction=spec.image_to_video_fraction,
         log_every=spec.training.log_every,
-        metrics_port=_env_int(env, keys.ENV_METRICS_PORT, spec.metrics_port, minimum=0),
+        metrics_port=env_int(env, keys.ENV_METRICS_PORT, spec.metrics_port, minimum=0),
         run_dir=_local_path(env.get(keys.ENV_RUN_DIR) or str(Path("runs") / job.metadata.name)),
     )
 
@@ -304,20 +224,6 @@ def _routing(spec: TrainingJobSpec) -> RoutingConfig:
     )
 
 
-def _optimizer(spec: TrainingJobSpec) -> OptimizerConfig:
-    o = spec.optimizer
-    return OptimizerConfig(
-        learning_rate=o.learning_rate,
-        schedule=o.schedule,
-        warmup_steps=o.warmup_steps,
-        betas=(float(o.betas[0]), float(o.betas[1])),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        clip_grad_norm=o.clip_grad_norm,
-        per_expert_lr_scaling=o.per_expert_lr_scaling,
-    )
-
-
 def _parallel(spec: TrainingJobSpec) -> ParallelConfig:
     devices = device_count(spec)
     if devices is None:
@@ -327,83 +233,6 @@ def _parallel(spec: TrainingJobSpec) -> ParallelConfig:
     except ValueError as exc:
         raise ValueError(f"spec.parallelism: {exc}") from None
     return ParallelConfig(**degrees)
-
-
-def _data(spec: TrainingJobSpec) -> DataConfig:
-    d = spec.data
-    return DataConfig(
-        uri=_uri(d.uri),
-        index=_uri(d.index),
-        synthetic=SyntheticConfig(d.synthetic.samples, d.synthetic.seed) if d.synthetic else None,
-        prefetch=d.prefetch,
-        max_bad_samples=d.max_bad_samples,
-        storage_outage_seconds=d.storage_outage_seconds,
-    )
-
-
-def _adaptive_load(spec: TrainingJobSpec) -> AdaptiveLoadConfig:
-    a = spec.adaptive_load
-    buckets = None if a.buckets is None else tuple((b.frames, b.height, b.width) for b in a.buckets)
-    return AdaptiveLoadConfig(
-        enabled=a.enabled,
-        scheduler=a.scheduler,
-        memory_budget_tokens=a.memory_budget_tokens,
-        compute_budget=a.compute_budget,
-        exponent=a.exponent,
-        cost_model=a.cost_model,
-        bench_file=_uri(a.bench_file),
-        buckets=buckets,
-        refit_every_steps=a.refit_every_steps,
-    )
-
-
-def _checkpoint(spec: TrainingJobSpec) -> CheckpointConfig:
-    c = spec.training.checkpoint
-    return CheckpointConfig(uri=_uri(c.uri), interval=c.interval, keep=c.keep)
-
-
-def _distributed(env: Mapping[str, str]) -> DistributedConfig:
-    num_slices = _env_int(env, keys.ENV_NUM_SLICES, 1, minimum=1)
-    hosts = _env_int(env, keys.ENV_HOSTS_PER_SLICE, 1, minimum=1)
-    slice_index = _env_int(env, keys.ENV_SLICE_INDEX, 0, minimum=0)
-    host_index = _env_int(env, keys.ENV_HOST_INDEX, 0, minimum=0)
-    if slice_index >= num_slices:
-        raise ValueError(f"{keys.ENV_SLICE_INDEX}={slice_index} must be below {keys.ENV_NUM_SLICES}={num_slices}")
-    if host_index >= hosts:
-        raise ValueError(f"{keys.ENV_HOST_INDEX}={host_index} must be below {keys.ENV_HOSTS_PER_SLICE}={hosts}")
-    coordinator = env.get(keys.ENV_COORDINATOR_ADDRESS) or None
-    if num_slices * hosts > 1 and coordinator is None:
-        raise ValueError(f"{keys.ENV_COORDINATOR_ADDRESS} must be set (host:port) when the job has several processes")
-    if coordinator is not None and not _is_host_port(coordinator):
-        raise ValueError(f"{keys.ENV_COORDINATOR_ADDRESS}={coordinator!r} is not host:port")
-    devices = env.get(keys.ENV_DEVICES_PER_HOST)
-    return DistributedConfig(
-        coordinator_address=coordinator,
-        num_slices=num_slices,
-        slice_index=slice_index,
-        hosts_per_slice=hosts,
-        host_index=host_index,
-        devices_per_host=None if not devices else _env_int(env, keys.ENV_DEVICES_PER_HOST, 1, minimum=1),
-        local_rank=_env_int(env, "LOCAL_RANK", 0, minimum=0),
-    )
-
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 def _uri(uri: str | None) -> str | None:

@@ -2,7 +2,7 @@
 
 Importing this package is cheap; the names below load jax/flax on first use:
 
-- ``WanTransformer3DModel``, ``abstract_model``, ``init_model``, ``REMAT_POLICIES`` (``model.wan_nnx``)
+- ``WanTransformer3DModel``, ``abstract_model``, ``init_model``, ``REMAT_POLICIES`` (``model.wan_jax``)
 - ``load_diffusers_transformer``, ``EXPERT_SUBFOLDERS``, ``diffusers_key_map`` (``model.load``)
 - ``xla_attention``, ``splash_attention``, ``AttentionFn`` (``model.attention``)
 """
@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "WanTransformer3DModel": "wan_nnx",
-    "abstract_model": "wan_nnx",
-    "init_model": "wan_nnx",
-    "state_shardings": "wan_nnx",
-    "REMAT_POLICIES": "wan_nnx",
+    "WanTransformer3DModel": "wan_jax",
+    "abstract_model": "wan_jax",
+    "init_model": "wan_jax",
+    "state_shardings": "wan_jax",
+    "REMAT_POLICIES": "wan_jax",
     "load_diffusers_transformer": "load",
     "EXPERT_SUBFOLDERS": "load",
     "diffusers_key_map": "load",

@@ -32,7 +32,7 @@ from wanloom_trainer.model.segment_attention import (
 
 AttentionFn = Callable[..., jax.Array]  # (q_bsnh, k_bknh, v_bknh, segments: Segments | None = None) -> out_bsnh
 FP32 = jnp.float32
-# Remat policies refer to these names (wan_nnx.REMAT_POLICIES).
+# Remat policies refer to these names (wan_jax.REMAT_POLICIES).
 SELF_ATTN_TAG = "attn_output"
 CROSS_ATTN_TAG = "cross_attn_output"
 

@@ -31,7 +31,7 @@ from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer.config import variants
 from wanloom_trainer.config.variants import VARIANTS, WanVariant
 from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
-from wanloom_trainer.model.wan_nnx import WanTransformer3DModel, abstract_model
+from wanloom_trainer.model.wan_jax import WanTransformer3DModel, abstract_model
 
 EXPERT_SUBFOLDERS = dict(zip(EXPERT_LABELS, variants.EXPERT_SUBFOLDERS, strict=True))
 # Keys diffusers itself ignores when loading a Wan transformer.

@@ -1,4 +1,4 @@
-"""Parameter names and placement rules shared by random init (wan_nnx) and checkpoint loading (load).
+"""Parameter names and placement rules shared by random init (wan_jax) and checkpoint loading (load).
 
 A parameter is named by its dotted NNX path, e.g. ``blocks.3.attn1.to_q.kernel``: the diffusers key with
 ``weight`` spelled ``kernel`` (Linear/Conv) or ``scale`` (norms). A placement rule (``ShardingSpec``) maps that

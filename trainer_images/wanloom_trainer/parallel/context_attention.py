@@ -22,7 +22,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from wanloom_trainer.model.segment_attention import Segments
-from wanloom_trainer.parallel.mesh import BATCH_AXES, ShardingConfig
+from wanloom_trainer.parallel.mesh_jax import BATCH_AXES, ShardingConfig
 
 AttentionFn = Callable[..., jax.Array]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec
 
-from wanloom_trainer.parallel.mesh import BATCH_AXES, ShardingConfig, runs_mosaic
+from wanloom_trainer.parallel.mesh_jax import BATCH_AXES, ShardingConfig, runs_mosaic
 
 AdaLNFn = Callable[..., jax.Array]  # (x, scale, shift, segment_ids=None) -> y
 SEQUENCE_AXES = ("context", "tensor")

@@ -1,7 +1,7 @@
 """The JAX backend (``train.backend.Backend``): both experts resident and FSDP-sharded on one mesh.
 
 State: ``JaxState(params, opt)``, one entry per expert (0 = high noise, 1 = low noise), float32 master
-parameters and AdamW moments sharded by ``parallel.mesh.ShardingConfig.param``. Shapes come first from
+parameters and AdamW moments sharded by ``parallel.mesh_jax.ShardingConfig.param``. Shapes come first from
 ``jax.eval_shape`` and everything is created by jitted functions with ``out_shardings``, so no process ever holds an
 unsharded expert; a restore reads straight into that layout without initialising first.
 
@@ -30,15 +30,15 @@ from flax import nnx
 
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS
-from wanloom_trainer.distributed import initialize_jax
+from wanloom_trainer.distributed_jax import initialize_jax
 from wanloom_trainer.parallel.context_attention import context_parallel_attention
-from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh, runs_mosaic
+from wanloom_trainer.parallel.mesh_jax import ShardingConfig, build_mesh, runs_mosaic
 from wanloom_trainer.parallel.sharded_adaln import sharded_adaln
 from wanloom_trainer.train.backend import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
 from wanloom_trainer.train.packing import PackedRows
 from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
 
-# TrainingJob remat names → the model's jax.checkpoint policies (model.wan_nnx.REMAT_POLICIES).
+# TrainingJob remat names → the model's jax.checkpoint policies (model.wan_jax.REMAT_POLICIES).
 REMAT = {"none": "none", "full": "full", "save-matmuls": "dots", "save-attention": "save_attn"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class JaxBackend:
 
     def _abstract_model(self) -> nnx.Module:
         """The model with ``ShapeDtypeStruct`` parameters that carry their target shardings."""
-        from wanloom_trainer.model.wan_nnx import abstract_model
+        from wanloom_trainer.model.wan_jax import abstract_model
 
         model = abstract_model(self.config.model.wan, **self._model_kwargs())
         graphdef, state = nnx.split(model)
@@ -173,7 +173,7 @@ class JaxBackend:
         """Expert ``expert``'s parameters, created (or loaded) directly into their shardings."""
         rule = self.shardings.param
         if self.config.model.weights is None:
-            from wanloom_trainer.model.wan_nnx import init_model
+            from wanloom_trainer.model.wan_jax import init_model
 
             # Distinct, reproducible initialisations per expert from the one training seed.
             seed = int(np.random.SeedSequence([self.config.seed, expert]).generate_state(1)[0] >> 1)

@@ -2,7 +2,7 @@
 
 State: ``TorchState(experts, optimizers)``, one entry per expert (0 = high noise ``transformer/``, 1 = low noise
 ``transformer_2/``). Experts are built on the meta device, patched (fused AdaLN), parallelised (AC then FSDP2,
-``parallel.torch_parallel``) and only then materialised: rank 0 alone reads the full weights (diffusers folder
+``parallel.mesh_torch``) and only then materialised: rank 0 alone reads the full weights (diffusers folder
 or a seeded random initialisation) and broadcasts each rank its shards, so no other process ever holds a whole
 expert. One process drives one device and feeds one data-parallel rank (context-parallel peers feed the same one).
 
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from wanloom_trainer.checkpoint.gcs import stage_weights
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.distributed_torch import destroy_process_group, init_process_group
 from wanloom_trainer.model.wan_torch import (
     apply_adaln_impl,
     build_expert,
@@ -38,12 +39,11 @@ from wanloom_trainer.model.wan_torch import (
     expert_subfolders,
     load_expert,
 )
-from wanloom_trainer.parallel.torch_parallel import (
+from wanloom_trainer.parallel.mesh_torch import (
     MixedPrecision,
     build_torch_mesh,
     parallelize_wan,
 )
-from wanloom_trainer.torch_distributed import destroy_process_group, init_process_group
 from wanloom_trainer.train.backend import ExpertOutputs, Restored, Slot, StepInputs, StepOutputs
 from wanloom_trainer.train.step_torch import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 

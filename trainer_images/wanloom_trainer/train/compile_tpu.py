@@ -127,7 +127,7 @@ def compile_shapes(config: TrainConfig, pixels: np.ndarray | None = None) -> np.
     from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels
 
     if pixels is None and config.adaptive_load.buckets is not None:
-        pixels = np.asarray(config.adaptive_load.buckets)
+        pixels = np.asarray([b.pixels for b in config.adaptive_load.buckets])
     if pixels is None:
         reference = REFERENCE_PIXELS.get(config.model.variant)
         if reference is None:
@@ -251,7 +251,7 @@ def compile_job(
         model = dataclasses.replace(model, num_layers=layers)
     if remat is not None:
         model = dataclasses.replace(model, remat=remat)
-    config = dataclasses.replace(config, model=model, checkpoint=dataclasses.replace(config.checkpoint, uri=None))
+    config = dataclasses.replace(config, model=model, checkpoint=config.checkpoint.model_copy(update={"uri": None}))
     backend = JaxBackend(config, devices=devices)
     state = backend.abstract_state()
     (params, *_), (opt, *_) = backend.flat_state(state["params"], state["opt"])

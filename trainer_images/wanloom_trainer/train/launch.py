@@ -96,7 +96,7 @@ def local_env(run_dir: str, base: Mapping[str, str] | None = None) -> dict[str, 
 def run_in_process(job: TrainingJob, *, run_dir: str, metrics_port: int, progress: bool = True) -> object:
     """One process: the same driver as a pod, without a coordinator."""
     from wanloom_trainer.config.train_config import from_trainingjob
-    from wanloom_trainer.distributed import prepare_platform
+    from wanloom_trainer.distributed_jax import prepare_platform
 
     env = local_env(run_dir)
     env.update({keys.ENV_RUN_DIR: run_dir, keys.ENV_METRICS_PORT: str(metrics_port)})

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 
-from wanloom_trainer.config.train_config import OptimizerConfig, RoutingConfig
+from wanloom_api.trainingjob import OptimizerSpec
+from wanloom_trainer.config.train_config import RoutingConfig
 
 
-def base_learning_rate(opt: OptimizerConfig, step: int, total_steps: int) -> float:
+def base_learning_rate(opt: OptimizerSpec, step: int, total_steps: int) -> float:
     """The scheduled peak-relative rate at global ``step`` (0-based) of a ``total_steps`` run."""
     if step < opt.warmup_steps:
         return opt.learning_rate * (step + 1) / opt.warmup_steps
@@ -35,7 +36,7 @@ def base_learning_rate(opt: OptimizerConfig, step: int, total_steps: int) -> flo
     raise ValueError(f"spec.optimizer.schedule {opt.schedule!r} is not one of constant, linear, cosine")
 
 
-def expert_lr_scales(opt: OptimizerConfig, routing: RoutingConfig, num_experts: int) -> tuple[float, ...]:
+def expert_lr_scales(opt: OptimizerSpec, routing: RoutingConfig, num_experts: int) -> tuple[float, ...]:
     """Per-expert multipliers: all 1, or each expert's expected sample share with ``per_expert_lr_scaling``."""
     if not opt.per_expert_lr_scaling or num_experts == 1:
         return (1.0,) * num_experts
@@ -43,7 +44,7 @@ def expert_lr_scales(opt: OptimizerConfig, routing: RoutingConfig, num_experts: 
     return (high, 1.0 - high)
 
 
-def learning_rates(opt: OptimizerConfig, scales: tuple[float, ...], step: int, total_steps: int) -> tuple[float, ...]:
+def learning_rates(opt: OptimizerSpec, scales: tuple[float, ...], step: int, total_steps: int) -> tuple[float, ...]:
     """The learning rate of every expert at ``step``."""
     base = base_learning_rate(opt, step, total_steps)
     return tuple(base * s for s in scales)

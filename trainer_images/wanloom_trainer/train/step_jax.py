@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from wanloom_trainer.config.train_config import OptimizerConfig
+from wanloom_api.trainingjob import OptimizerSpec
 
 BATCH_KEYS = ("latents", "text", "noise", "timesteps", "weights")
 Batch = dict[str, jax.Array]
@@ -112,7 +112,7 @@ def _token_timesteps(t_frames: jax.Array, latent_shape: tuple[int, ...], patch: 
     return jnp.repeat(t_frames[:, ::pt], per_frame_tokens, axis=1)
 
 
-def moment_transform(opt: OptimizerConfig) -> optax.GradientTransformation:
+def moment_transform(opt: OptimizerSpec) -> optax.GradientTransformation:
     """AdamW without its learning rate (applied by ``update`` so the schedule can follow the global step)."""
     return optax.chain(
         optax.scale_by_adam(b1=opt.betas[0], b2=opt.betas[1], eps=opt.eps),
@@ -141,7 +141,7 @@ class StepFns:
 
 def make_step_fns(
     graphdef: nnx.GraphDef,
-    opt: OptimizerConfig,
+    opt: OptimizerSpec,
     *,
     treedef: Any = None,
     param_shardings: Any = None,
@@ -195,6 +195,6 @@ def make_step_fns(
     )
 
 
-def init_optimizer(opt: OptimizerConfig, params: Any) -> Any:
+def init_optimizer(opt: OptimizerSpec, params: Any) -> Any:
     """Fresh AdamW moments (float32 like the master parameters), placed like the parameters by propagation."""
     return jax.jit(moment_transform(opt).init)(params)

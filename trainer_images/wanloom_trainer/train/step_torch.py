@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from wanloom_trainer.config.train_config import OptimizerConfig
+from wanloom_api.trainingjob import OptimizerSpec
 from wanloom_trainer.train.backend import RankRows
 
 
@@ -106,7 +106,7 @@ def accumulate(model: nn.Module, rows: RankRows, device: torch.device, compute_d
     return loss_sum.detach()
 
 
-def make_adamw(params: Iterable[nn.Parameter], opt: OptimizerConfig) -> torch.optim.AdamW:
+def make_adamw(params: Iterable[nn.Parameter], opt: OptimizerSpec) -> torch.optim.AdamW:
     """AdamW with its moments created now (step 0, zeros) rather than on the first step.
 
     Eager state makes a checkpoint of a never-updated expert hold the same thing a fresh optimizer would: torch's

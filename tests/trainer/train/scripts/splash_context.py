@@ -18,7 +18,7 @@ import numpy as np
 from wanloom_trainer.config.train_config import ParallelConfig
 from wanloom_trainer.model.attention import splash_attention, xla_attention
 from wanloom_trainer.parallel.context_attention import context_parallel_attention
-from wanloom_trainer.parallel.mesh import ShardingConfig, build_mesh
+from wanloom_trainer.parallel.mesh_jax import ShardingConfig, build_mesh
 
 
 def errors(core, shardings: ShardingConfig, cross: bool) -> tuple[float, float]:

@@ -1,12 +1,12 @@
-"""torch_distributed: where a process sits, from torchrun's variables or the wanloom environment."""
+"""distributed_torch: where a process sits, from torchrun's variables or the wanloom environment."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from wanloom_trainer.config.train_config import DistributedConfig
-from wanloom_trainer.torch_distributed import TorchProcess, resolve_process
+from wanloom_trainer.config.environment import DistributedConfig
+from wanloom_trainer.distributed_torch import TorchProcess, resolve_process
 
 PODS = DistributedConfig("10.0.0.1:8476", 1, 0, 4, 2, None)  # pod 2 of 4
 

@@ -1,4 +1,4 @@
-"""parallel.torch_parallel: mesh validation, activation checkpointing policies, FSDP2 mixed precision (1 rank)."""
+"""parallel.mesh_torch: mesh validation, activation checkpointing policies, FSDP2 mixed precision (1 rank)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from wanloom_trainer.config.train_config import DistributedConfig, ParallelConfig
+from wanloom_trainer.config.environment import DistributedConfig
+from wanloom_trainer.config.train_config import ParallelConfig
+from wanloom_trainer.distributed_torch import init_process_group
 from wanloom_trainer.model.wan_torch import build_expert
-from wanloom_trainer.parallel.torch_parallel import (
+from wanloom_trainer.parallel.mesh_torch import (
     _ATTENTION_OPS,
     _MATMUL_OPS,
     MixedPrecision,
@@ -16,7 +18,6 @@ from wanloom_trainer.parallel.torch_parallel import (
     build_torch_mesh,
     parallelize_wan,
 )
-from wanloom_trainer.torch_distributed import init_process_group
 from wanloom_trainer.train.step_torch import flow_matching_loss
 
 SINGLE = DistributedConfig(None, 1, 0, 1, 0, None)

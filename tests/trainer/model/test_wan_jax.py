@@ -16,7 +16,7 @@ from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.model.attention import splash_attention, xla_attention
 from wanloom_trainer.model.embeddings import timestep_sinusoid
 from wanloom_trainer.model.rope import rope_cos_sin
-from wanloom_trainer.model.wan_nnx import WanTransformer3DModel, abstract_model
+from wanloom_trainer.model.wan_jax import WanTransformer3DModel, abstract_model
 
 torch = pytest.importorskip("torch")
 TINY = get_variant("tiny")

@@ -11,8 +11,8 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from wanloom_api.trainingjob import CheckpointSpec  # noqa: E402
 from wanloom_trainer.checkpoint.orbax_checkpoint import OrbaxCheckpointer, flatten_state  # noqa: E402
-from wanloom_trainer.config.train_config import CheckpointConfig  # noqa: E402
 
 
 def state(scale: float) -> dict:
@@ -30,7 +30,7 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 def roundtrip(uri: str) -> None:
-    ckpt = OrbaxCheckpointer(CheckpointConfig(uri, interval=1, keep=2))
+    ckpt = OrbaxCheckpointer(CheckpointSpec.model_validate({"uri": uri, "interval": 1, "keep": 2}))
     for step in (2, 4, 6):
         ckpt.save(step, state(step), {"next_step": step, "data": {"next_step": step}})
     ckpt.wait()
@@ -47,13 +47,13 @@ def test_keeps_the_last_n_and_restores_exactly(tmp_path: Path) -> None:
 
 def test_a_save_cut_short_is_never_the_latest(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    ckpt = OrbaxCheckpointer(CheckpointConfig(str(root), interval=1, keep=3))
+    ckpt = OrbaxCheckpointer(CheckpointSpec.model_validate({"uri": str(root), "interval": 1, "keep": 3}))
     ckpt.save(3, state(3), {"next_step": 3})
     ckpt.close()
     partial = root / "5.orbax-checkpoint-tmp-1764500000000000"  # what a kill during the save of step 5 leaves
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "junk").write_bytes(b"\0" * 10)
-    again = OrbaxCheckpointer(CheckpointConfig(str(root), interval=1, keep=3))
+    again = OrbaxCheckpointer(CheckpointSpec.model_validate({"uri": str(root), "interval": 1, "keep": 3}))
     assert again.latest_step() == 3
     assert_equal(again.restore(3, state(0.0))[0], state(3))
     again.close()

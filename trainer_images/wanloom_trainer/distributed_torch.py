@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from wanloom_trainer.config.train_config import DistributedConfig
+from wanloom_trainer.config.environment import DistributedConfig
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _TIMEOUT = datetime.timedelta(minutes=30)  # first collectives wait for every rank to load its weights

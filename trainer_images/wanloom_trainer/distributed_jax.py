@@ -20,7 +20,8 @@ import re
 import sys
 from collections.abc import MutableMapping
 
-from wanloom_trainer.config.train_config import DistributedConfig, TrainConfig
+from wanloom_trainer.config.environment import DistributedConfig
+from wanloom_trainer.config.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wanloom_trainer.config.train_config import ParallelConfig
-from wanloom_trainer.parallel.mesh import param_partition
+from wanloom_trainer.parallel.mesh_jax import param_partition
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_param_partition(name: str, shape: tuple, fsdp: int, tensor: int, expect
 def test_mesh_must_match_the_device_count() -> None:
     import jax
 
-    from wanloom_trainer.parallel.mesh import build_mesh
+    from wanloom_trainer.parallel.mesh_jax import build_mesh
 
     with pytest.raises(ValueError, match=r"= 2 devices, but JAX sees 1"):
         build_mesh(ParallelConfig(1, 2, 1, 1), devices=jax.devices()[:1])
