@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHIPS_PER_TPU7X_HOST = 4
-TENSORCORES_PER_TPU7X_CHIP = 2  # each TensorCore is one JAX device
 # Single-host and small multi-host shapes GKE offers; larger ones follow the cube rule in `tpu7x_slice`.
 _SMALL_TPU7X_TOPOLOGIES = ("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4")
 _MAX_CUBES = 144
@@ -21,20 +19,43 @@ class Machine:
     accelerators: int  # TPU chips or GPUs per VM
 
 
-# TPU7x: 4-chip VM, 224 vCPU, 960 GB (cloud.google.com/tpu/docs/tpu7x); GPU: the 8-GPU A3/A4 shapes.
-MACHINES = {
-    "tpu7x": Machine("tpu7x-standard-4t", 224, 960, 4),
-    "h100": Machine("a3-highgpu-8g", 208, 1872, 8),
-    "h200": Machine("a3-ultragpu-8g", 224, 2952, 8),
-    "b200": Machine("a4-highgpu-8g", 224, 3968, 8),
-}
+@dataclass(frozen=True)
+class AcceleratorType:
+    """One accelerator a TrainingJob can name: how GKE labels and provisions its nodes, and what one chip does."""
 
-GKE_GPU_ACCELERATORS = {
-    "h100": "nvidia-h100-80gb",
-    "h200": "nvidia-h200-141gb",
-    "b200": "nvidia-b200",
-}
-GPUS_PER_NODE = {kind: MACHINES[kind].accelerators for kind in GKE_GPU_ACCELERATORS}
+    kind: str  # "tpu" or "gpu": the spec's resources field that names it
+    gke_label: str  # value of cloud.google.com/gke-tpu-accelerator or cloud.google.com/gke-accelerator
+    machine: Machine
+    peak_bf16_flops: float  # dense (no 2:4 sparsity) bf16 matmul peak of one chip, from the vendor's data sheet
+    peak_note: str
+    devices_per_chip: int = 1  # framework devices one chip shows (JAX: one per TPU7x TensorCore)
+    hbm_bytes: int | None = None  # per chip, where a check uses it (`wanloom compile`)
+
+
+# The one table of accelerator facts: the API's types, the operator's node selectors and pod sizes, the trainer's
+# MFU peaks and the compile check's HBM all read it. TPU7x: 4-chip VM, 224 vCPU, 960 GB, 192 GiB HBM and 4,614
+# TFLOP/s FP8 per chip, half that in bf16 (cloud.google.com/tpu/docs/tpu7x); GPU: the 8-GPU A3/A4 shapes.
+ACCELERATOR_TYPES = {
+    "tpu7x": AcceleratorType(
+        "tpu", "tpu7x", Machine("tpu7x-standard-4t", 224, 960, 4), 2307e12,
+        "TPU v7x (Ironwood), per chip (2 TensorCores)", devices_per_chip=2, hbm_bytes=192 * 2**30,
+    ),
+    "h100": AcceleratorType(
+        "gpu", "nvidia-h100-80gb", Machine("a3-highgpu-8g", 208, 1872, 8), 989e12, "NVIDIA H100 SXM, dense bf16"
+    ),
+    "h200": AcceleratorType(
+        "gpu", "nvidia-h200-141gb", Machine("a3-ultragpu-8g", 224, 2952, 8), 989e12,
+        "NVIDIA H200 SXM, dense bf16 (same SM array as H100)",
+    ),
+    "b200": AcceleratorType(
+        "gpu", "nvidia-b200", Machine("a4-highgpu-8g", 224, 3968, 8), 2250e12, "NVIDIA B200 (HGX), dense bf16"
+    ),
+}  # fmt: skip
+GPU_TYPES = tuple(name for name, a in ACCELERATOR_TYPES.items() if a.kind == "gpu")
+GPUS_PER_NODE = {name: ACCELERATOR_TYPES[name].machine.accelerators for name in GPU_TYPES}
+_TPU7X = ACCELERATOR_TYPES["tpu7x"]
+CHIPS_PER_TPU7X_HOST = _TPU7X.machine.accelerators
+TENSORCORES_PER_TPU7X_CHIP = _TPU7X.devices_per_chip  # each TensorCore is one JAX device
 # Share of a machine's vCPUs and memory a trainer pod requests for its share of the accelerators: what GKE keeps
 # for the kubelet, system daemons and the accelerator's device plugin stays free (allocatable is ~97% of memory
 # on these sizes; daemon sets take a few cores).

@@ -1,5 +1,6 @@
 import pytest
 
+from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.flops import (
     ACCELERATORS,
@@ -74,6 +75,8 @@ def test_peaks_table():
     assert get_accelerator("H100").peak_bf16_flops == get_accelerator("h200").peak_bf16_flops == 989e12
     assert get_accelerator("nvidia-b200").peak_bf16_flops == 2250e12
     assert set(ACCELERATORS) >= {"tpu7x", "tpu7x-tensorcore", "h100", "h200", "b200"}
+    for name, accelerator in ACCELERATOR_TYPES.items():  # the node label names the same peak as the spec's type
+        assert get_accelerator(accelerator.gke_label) == get_accelerator(name)
     with pytest.raises(ValueError, match="unknown accelerator 'v100'"):
         get_accelerator("v100")
 

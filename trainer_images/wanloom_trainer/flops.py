@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.variants import WanVariant
 
 TRAIN_FACTOR = 3  # forward + backward (2 × forward)
@@ -144,29 +145,22 @@ class Accelerator:
     note: str
 
 
-# Dense (no 2:4 sparsity) bf16 matmul peaks from the vendors' data sheets. TPU v7x (Ironwood): 4,614 TFLOP/s FP8
-# per chip, half that in bf16; each chip has two TensorCores and JAX shows each as its own device, so the per-device
-# peak is half the chip's. Keep the unit of n_devices in mfu() consistent with the entry chosen here.
+# Per-chip peaks come from the accelerator table (wanloom_api.topology.ACCELERATOR_TYPES). A TPU v7x chip has two
+# TensorCores and JAX shows each as its own device, so its per-device peak is half the chip's. Keep the unit of
+# n_devices in mfu() consistent with the entry chosen here.
+_TPU7X = ACCELERATOR_TYPES["tpu7x"]
 ACCELERATORS: dict[str, Accelerator] = {
-    "tpu7x": Accelerator("tpu7x", 2307e12, "TPU v7x (Ironwood), per chip (2 TensorCores)"),
-    "tpu7x-tensorcore": Accelerator("tpu7x-tensorcore", 2307e12 / 2, "TPU v7x, per TensorCore (one JAX device)"),
-    "h100": Accelerator("h100", 989e12, "NVIDIA H100 SXM, dense bf16"),
-    "h200": Accelerator("h200", 989e12, "NVIDIA H200 SXM, dense bf16 (same SM array as H100)"),
-    "b200": Accelerator("b200", 2250e12, "NVIDIA B200 (HGX), dense bf16"),
+    **{name: Accelerator(name, a.peak_bf16_flops, a.peak_note) for name, a in ACCELERATOR_TYPES.items()},
+    "tpu7x-tensorcore": Accelerator(
+        "tpu7x-tensorcore", _TPU7X.peak_bf16_flops / _TPU7X.devices_per_chip, "TPU v7x, per TensorCore (one JAX device)"
+    ),
     # Local runs only, so the MFU panel has something honest to show on a laptop: one AVX2 core's fp32 FMA peak
     # (2 FMA pipes x 8 lanes x 2 FLOPs x 3 GHz); the tiny model is fp32 on CPU.
     "cpu": Accelerator("cpu", 96e9, "one x86-64 core, nominal AVX2 fp32 FMA peak (local runs)"),
 }
 
-# GKE node-label spellings of the same devices.
-_ALIASES = {
-    "nvidia-h100-80gb": "h100",
-    "nvidia-h100-mega-80gb": "h100",
-    "nvidia-h200-141gb": "h200",
-    "nvidia-b200": "b200",
-    "tpu-v7x": "tpu7x",
-    "v7x": "tpu7x",
-}
+# GKE node-label spellings of the same devices (A3 Mega's H100 has its own label).
+_ALIASES = {a.gke_label: name for name, a in ACCELERATOR_TYPES.items()} | {"nvidia-h100-mega-80gb": "h100"}
 
 
 def get_accelerator(name: str) -> Accelerator:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from wanloom_api import keys
-from wanloom_api.topology import GKE_GPU_ACCELERATORS, MACHINES, REQUEST_FRACTION, Machine, tpu7x_slice
+from wanloom_api.topology import ACCELERATOR_TYPES, REQUEST_FRACTION, Machine, tpu7x_slice
 from wanloom_api.trainingjob import TrainingJobSpec
 from wanloom_operator.settings import OperatorSettings
 
@@ -58,6 +58,7 @@ def _tpu_shape(spec: TrainingJobSpec) -> PodShape:
     tpu = spec.resources.tpu
     assert tpu is not None
     slice_ = tpu7x_slice(tpu.topology)
+    accelerator = ACCELERATOR_TYPES[tpu.type]
     chips = str(slice_.chips_per_host)
     host_network = True if spec.resources.host_network is None else spec.resources.host_network
     return PodShape(
@@ -67,10 +68,13 @@ def _tpu_shape(spec: TrainingJobSpec) -> PodShape:
         replicas=tpu.slices,
         pods_per_job=slice_.hosts,
         devices_per_pod=slice_.devices // slice_.hosts,
-        node_selector={TPU_ACCELERATOR_LABEL: tpu.type, TPU_TOPOLOGY_LABEL: tpu.topology},
+        node_selector={TPU_ACCELERATOR_LABEL: accelerator.gke_label, TPU_TOPOLOGY_LABEL: tpu.topology},
         tolerations=({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},),
         resources={
-            "requests": {TPU_RESOURCE: chips, **_host_share(MACHINES[tpu.type], slice_.chips_per_host)},
+            "requests": {
+                TPU_RESOURCE: chips,
+                **_host_share(ACCELERATOR_TYPES[tpu.type].machine, slice_.chips_per_host),
+            },
             "limits": {TPU_RESOURCE: chips},
         },
         host_network=host_network,
@@ -81,7 +85,8 @@ def _tpu_shape(spec: TrainingJobSpec) -> PodShape:
 def _gpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
     gpu = spec.resources.gpu
     assert gpu is not None
-    label = gpu.accelerator_label or GKE_GPU_ACCELERATORS.get(gpu.type)
+    known = ACCELERATOR_TYPES.get(gpu.type)
+    label = gpu.accelerator_label or (known.gke_label if known else None)
     backend = spec.resources.resolved_backend
     gpus = str(gpu.per_node)
     return PodShape(
@@ -97,7 +102,7 @@ def _gpu_shape(spec: TrainingJobSpec, settings: OperatorSettings) -> PodShape:
         resources={
             "requests": {
                 GPU_RESOURCE: gpus,
-                **(_host_share(MACHINES[gpu.type], gpu.per_node) if gpu.type in MACHINES else {}),
+                **(_host_share(known.machine, gpu.per_node) if known else {}),
             },
             "limits": {GPU_RESOURCE: gpus},
         },

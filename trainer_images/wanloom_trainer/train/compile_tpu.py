@@ -27,11 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.train_config import TrainConfig
 
-# TPU v7x (Ironwood): 192 GiB of HBM per chip, two TensorCores per chip, each its own JAX device (the topology
-# descriptions list 2 devices per chip), so one device addresses half: 96 GiB. Seed 000 reports 94.7 GB usable.
-HBM_BYTES_PER_DEVICE = {"tpu7x": 96 * 2**30}
+# TPU v7x (Ironwood): two TensorCores per chip, each its own JAX device (the topology descriptions list 2 devices
+# per chip), so one device addresses half the chip's HBM: 96 GiB. Seed 000 reports 94.7 GB usable.
+_TPU7X = ACCELERATOR_TYPES["tpu7x"]
+HBM_BYTES_PER_DEVICE = {"tpu7x": _TPU7X.hbm_bytes // _TPU7X.devices_per_chip}
 # The shape a job is compiled at when it names no buckets: each variant's flagship training clip (pixels F×H×W).
 REFERENCE_PIXELS = {
     "wan2.2-t2v-a14b": (81, 720, 1280),
@@ -93,7 +95,8 @@ class CompileReport:
             f"TrainingJob {self.job}: {self.slices} × tpu7x:{self.topology} = {self.devices} devices, mesh {mesh}, "
             f"remat {self.remat}, {self.layers} layers",
             f"resident per device (both experts: parameters + optimizer state): {gib(self.resident_bytes)}; "
-            f"capacity {gib(self.capacity_bytes_per_device)} per device (tpu7x: 192 GiB per chip, 2 devices)",
+            f"capacity {gib(self.capacity_bytes_per_device)} per device (tpu7x: {gib(_TPU7X.hbm_bytes)} per chip, "
+            f"{_TPU7X.devices_per_chip} devices)",
             "| program | latent T'×H'×W' | rows/rank × tokens | compile s | arguments | temporaries | peak/device "
             "| fits |",
             "|---|---|---|---|---|---|---|---|",
