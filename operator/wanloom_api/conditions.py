@@ -6,30 +6,61 @@ Part of the API contract: the operator writes them, `kubectl` users and dashboar
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any, Literal
 
-# Types
-VALID = "Valid"  # False: the latest spec was rejected (message: every field error)
-CREATED = "Created"  # the JobSet exists (created, or adopted after an operator restart)
-RUNNING = "Running"  # every pod of every Job is ready
-RESTARTING = "Restarting"  # the JobSet is recreating its Jobs after a failure or a disruption
-SUSPENDED = "Suspended"
-QUEUED = "Queued"  # True: the JobSet waits for Kueue to admit it (reason WaitingForAdmission, message: the queue)
-SUCCEEDED = "Succeeded"
-FAILED = "Failed"
-SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended
 
-# Reasons
-REASON_VALID = "Valid"
-REASON_INVALID = "InvalidSpec"
-REASON_CREATED = "JobSetCreated"
-REASON_ADOPTED = "JobSetAdopted"
-REASON_NAME_CONFLICT = "JobSetNameConflict"
-REASON_RECREATED = "JobSetRecreated"
-REASON_SPEC_APPLIED = "SpecApplied"
-REASON_NOT_SUSPENDED = "NotSuspended"
-REASON_QUEUED = "WaitingForAdmission"
-REASON_JOBSET_DELETED = "JobSetDeleted"
+class Phase(StrEnum):
+    """status.phase (the table in wanloom_operator.reconcile.status says which JobSet state gives which)."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    INVALID = "Invalid"
+
+
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    VALID = "Valid"  # False: the latest spec was rejected (message: every field error)
+    CREATED = "Created"  # the JobSet exists (created, or adopted after an operator restart)
+    RUNNING = "Running"  # every pod of every Job is ready
+    RESTARTING = "Restarting"  # the JobSet is recreating its Jobs after a failure or a disruption
+    SUSPENDED = "Suspended"
+    QUEUED = "Queued"  # True: the JobSet waits for Kueue to admit it (reason WaitingForAdmission, message: the queue)
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended
+
+
+class Reason(StrEnum):
+    """Condition reasons the operator writes (a failed JobSet's own reason is passed through as it is)."""
+
+    VALID = "Valid"
+    INVALID_SPEC = "InvalidSpec"
+    JOBSET_CREATED = "JobSetCreated"
+    JOBSET_ADOPTED = "JobSetAdopted"
+    JOBSET_NAME_CONFLICT = "JobSetNameConflict"
+    JOBSET_DELETED = "JobSetDeleted"
+    SPEC_APPLIED = "SpecApplied"
+    NOT_SUSPENDED = "NotSuspended"
+    WAITING_FOR_ADMISSION = "WaitingForAdmission"
+    NOT_QUEUED = "NotQueued"
+    JOBSET_COMPLETED = "JobSetCompleted"
+    JOBSET_FAILED = "JobSetFailed"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    SUSPENDED = "Suspended"
+    RESUMING = "Resuming"
+    RESTARTING = "Restarting"
+    ALL_JOBS_READY = "AllJobsReady"
+    JOBS_STARTING = "JobsStarting"
+    WAITING_FOR_PODS = "WaitingForPods"
+
 
 Status = Literal["True", "False", "Unknown"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import types
 import typing
 from typing import Any, Literal
@@ -44,6 +45,8 @@ def _type_name(annotation: Any) -> str:
     args = typing.get_args(annotation)
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " \\| ".join(f"`{m.value}`" for m in annotation)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args if a is not type(None))
     if origin is typing.Annotated:

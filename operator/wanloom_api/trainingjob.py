@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from wanloom_api import keys
+from wanloom_api.conditions import Phase
 from wanloom_api.topology import (
     GPUS_PER_NODE,
     TENSORCORES_PER_TPU7X_CHIP,
@@ -69,7 +70,6 @@ DEFAULT_IMAGE_TO_VIDEO_FRACTION: dict[str, float | None] = {
     "tiny-ti2v": 0.5,
 }
 DType = Literal["float32", "bfloat16"]
-Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Invalid"]
 
 
 # A dataset, weights or checkpoint location: gs://bucket[/prefix] or a path. The CEL rule mirrors

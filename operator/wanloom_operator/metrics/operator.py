@@ -10,14 +10,13 @@ import time
 from collections import Counter as Tally
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, get_args
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from wanloom_api.conditions import Phase
 from wanloom_api.metrics import metric
-from wanloom_api.trainingjob import Phase
 
-PHASES: tuple[str, ...] = get_args(Phase)
 UNKNOWN_PHASE = "Unknown"  # a TrainingJob the operator has not given a phase yet
 
 
@@ -75,7 +74,7 @@ class OperatorMetrics:
 
     def _refresh_phase_counts(self) -> None:
         counts = Tally(self._phases.values())
-        for phase in (*PHASES, UNKNOWN_PHASE):
+        for phase in (*Phase, UNKNOWN_PHASE):
             self.trainingjobs.labels(phase=phase).set(counts.get(phase, 0))
 
 

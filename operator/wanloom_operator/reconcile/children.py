@@ -25,7 +25,7 @@ from wanloom_api.trainingjob import API_VERSION, KIND, TrainingJob
 from wanloom_api.validation import FieldError, InvalidTrainingJob, validate_trainingjob
 from wanloom_operator.reconcile.cluster import ApiError
 from wanloom_operator.reconcile.runtime import Runtime
-from wanloom_operator.reconcile.status import TERMINAL_PHASES, Intent, derive_phase
+from wanloom_operator.reconcile.status import Intent, derive_phase
 from wanloom_operator.render.jobset import Rendered, render_trainingjob
 
 MAX_EVENT_MESSAGE = 1000  # Kubernetes caps Event messages at 1 kB
@@ -98,7 +98,7 @@ class Outcome:
         return patch
 
     def _phase_allowed(self, fresh: Mapping[str, Any], conditions: list[dict[str, Any]]) -> bool:
-        if self.phase_unless_created and cond.condition_status(conditions, cond.CREATED) == "True":
+        if self.phase_unless_created and cond.condition_status(conditions, cond.ConditionType.CREATED) == "True":
             return False
         return self.phase_from is None or fresh.get("phase") in self.phase_from
 
@@ -115,7 +115,7 @@ async def reconcile_children(body: Mapping[str, Any], runtime: Runtime, now: str
     except InvalidTrainingJob as exc:
         return _invalid(out, exc.errors, status)
     _valid(out, status, body)
-    if status.get("phase") in TERMINAL_PHASES:
+    if status.get("phase") in cond.TERMINAL_PHASES:
         return out  # finished: leave the JobSet (or its absence after its TTL) alone
     job, names = result.job, rendered.names
     current = await runtime.cluster.get_jobset(rendered.jobset["metadata"]["namespace"], names.jobset)
@@ -154,21 +154,21 @@ def _uid(body: Mapping[str, Any]) -> str | None:
 def _invalid(out: Outcome, errors: tuple[FieldError, ...], status: Mapping[str, Any]) -> Outcome:
     message = "; ".join(str(e) for e in errors)
     already = any(
-        c.get("type") == cond.VALID and c.get("status") == "False" and c.get("message") == message
+        c.get("type") == cond.ConditionType.VALID and c.get("status") == "False" and c.get("message") == message
         for c in out.conditions
     )
-    out.set(cond.VALID, "False", cond.REASON_INVALID, message)
+    out.set(cond.ConditionType.VALID, "False", cond.Reason.INVALID_SPEC, message)
     out.fields["message"] = message
-    out.phase, out.phase_unless_created = "Invalid", True  # with a JobSet, the phase keeps following it
+    out.phase, out.phase_unless_created = cond.Phase.INVALID, True  # with a JobSet, the phase keeps following it
     if not already:
-        out.event("Warning", cond.REASON_INVALID, message)
+        out.event("Warning", cond.Reason.INVALID_SPEC, message)
     return out
 
 
 def _valid(out: Outcome, status: Mapping[str, Any], body: Mapping[str, Any]) -> None:
-    if cond.condition_status(out.conditions, cond.VALID) == "False":
+    if cond.condition_status(out.conditions, cond.ConditionType.VALID) == "False":
         out.fields["message"] = None  # the problem is fixed
-    out.set(cond.VALID, "True", cond.REASON_VALID)
+    out.set(cond.ConditionType.VALID, "True", cond.Reason.VALID)
     generation = (body.get("metadata") or {}).get("generation")
     if generation is not None and status.get("observedGeneration") != generation:
         out.fields["observedGeneration"] = generation
@@ -194,13 +194,13 @@ async def _create(out: Outcome, rendered: Rendered, job: TrainingJob, runtime: R
             return
         await _sync_existing(out, current, rendered, job, runtime)
         return
-    out.set(cond.CREATED, "True", cond.REASON_CREATED, f"JobSet {name}")
+    out.set(cond.ConditionType.CREATED, "True", cond.Reason.JOBSET_CREATED, f"JobSet {name}")
     out.fields["createdSpecHash"] = rendered.spec_hash
-    out.event("Normal", cond.REASON_CREATED, f"created JobSet {namespace}/{name}")
-    if cond.condition_status(out.conditions, cond.SPEC_CHANGE_PENDING) == "True":
-        out.set(cond.SPEC_CHANGE_PENDING, "False", cond.REASON_SPEC_APPLIED)
+    out.event("Normal", cond.Reason.JOBSET_CREATED, f"created JobSet {namespace}/{name}")
+    if cond.condition_status(out.conditions, cond.ConditionType.SPEC_CHANGE_PENDING) == "True":
+        out.set(cond.ConditionType.SPEC_CHANGE_PENDING, "False", cond.Reason.SPEC_APPLIED)
     out.phase = derive_phase(rendered.jobset, _intent(job)).phase  # a new JobSet has no status yet
-    out.phase_from = frozenset({None, "Invalid"})
+    out.phase_from = frozenset({None, cond.Phase.INVALID})
     if job.spec.suspend and job.spec.resources.queue_name:
         out.retry_after = 2.0  # Kueue creates the Workload next: come back to deactivate it before it is admitted
 
@@ -211,16 +211,16 @@ async def _sync_existing(
     name = rendered.names.jobset
     if (current.get("metadata") or {}).get("deletionTimestamp"):
         raise RetryLater(f"JobSet {name} is being deleted", delay=2)
-    if cond.condition_status(out.conditions, cond.CREATED) != "True":
-        out.set(cond.CREATED, "True", cond.REASON_ADOPTED, f"JobSet {name}")
+    if cond.condition_status(out.conditions, cond.ConditionType.CREATED) != "True":
+        out.set(cond.ConditionType.CREATED, "True", cond.Reason.JOBSET_ADOPTED, f"JobSet {name}")
     adopted = _annotations(current).get(keys.ANNOTATION_SPEC_HASH)
     if adopted and out.previous.get("createdSpecHash") != adopted:
         out.fields["createdSpecHash"] = adopted
     if _annotations(current).get(keys.ANNOTATION_SPEC_HASH) != rendered.spec_hash:
         await _spec_changed(out, current, rendered, job, runtime)
         return
-    if cond.condition_status(out.conditions, cond.SPEC_CHANGE_PENDING) == "True":
-        out.set(cond.SPEC_CHANGE_PENDING, "False", "SpecMatches")
+    if cond.condition_status(out.conditions, cond.ConditionType.SPEC_CHANGE_PENDING) == "True":
+        out.set(cond.ConditionType.SPEC_CHANGE_PENDING, "False", "SpecMatches")
     await _sync_suspend(out, current, job, runtime)
 
 
@@ -234,9 +234,12 @@ async def _spec_changed(
             f"({_annotations(current).get(keys.ANNOTATION_SPEC_HASH)}); set spec.suspend: true to apply it "
             "(the job then resumes from its last checkpoint)"
         )
-        if not any(c.get("type") == cond.SPEC_CHANGE_PENDING and c.get("message") == message for c in out.conditions):
-            out.event("Warning", cond.REASON_NOT_SUSPENDED, message)
-        out.set(cond.SPEC_CHANGE_PENDING, "True", cond.REASON_NOT_SUSPENDED, message)
+        if not any(
+            c.get("type") == cond.ConditionType.SPEC_CHANGE_PENDING and c.get("message") == message
+            for c in out.conditions
+        ):
+            out.event("Warning", cond.Reason.NOT_SUSPENDED, message)
+        out.set(cond.ConditionType.SPEC_CHANGE_PENDING, "True", cond.Reason.NOT_SUSPENDED, message)
         return
     # The pod template of a JobSet is immutable: replace it. Suspended, it runs no pods.
     await ensure_configmap(rendered, runtime)
@@ -247,10 +250,10 @@ async def _spec_changed(
         if exc.conflict:
             raise RetryLater(f"re-creating JobSet {name} once the old one is gone", delay=2) from None
         raise
-    out.set(cond.SPEC_CHANGE_PENDING, "False", cond.REASON_SPEC_APPLIED)
+    out.set(cond.ConditionType.SPEC_CHANGE_PENDING, "False", cond.Reason.SPEC_APPLIED)
     out.fields["createdSpecHash"] = rendered.spec_hash
     out.event(
-        "Normal", cond.REASON_SPEC_APPLIED, f"re-created JobSet {namespace}/{name} with spec {rendered.spec_hash}"
+        "Normal", cond.Reason.SPEC_APPLIED, f"re-created JobSet {namespace}/{name} with spec {rendered.spec_hash}"
     )
 
 
@@ -310,22 +313,24 @@ def _gone(out: Outcome, status: Mapping[str, Any], name: str) -> None:
     progress = status.get("progress") or {}
     step, total = progress.get("step"), progress.get("totalSteps")
     done = step is not None and total is not None and step + 1 >= total
-    phase = "Succeeded" if done else "Failed"
+    phase = cond.Phase.SUCCEEDED if done else cond.Phase.FAILED
     message = (
         f"JobSet {name} was deleted before its outcome was recorded (ttlSecondsAfterFinished while the operator "
         f"was down, or a manual delete); "
         + ("rank 0 had reported the final step" if done else f"last reported step: {step}; outcome unknown")
     )
-    out.set(cond.SUCCEEDED if done else cond.FAILED, "True", cond.REASON_JOBSET_DELETED, message)
+    out.set(
+        cond.ConditionType.SUCCEEDED if done else cond.ConditionType.FAILED, "True", cond.Reason.JOBSET_DELETED, message
+    )
     out.fields["message"] = message
     out.phase, out.phase_from = phase, None
-    out.event("Normal" if done else "Warning", cond.REASON_JOBSET_DELETED, message)
+    out.event("Normal" if done else "Warning", cond.Reason.JOBSET_DELETED, message)
 
 
 def _rejected(out: Outcome, exc: ApiError) -> None:
     """The API refused the JobSet: say so; retry where the cause may go away (RBAC, CRD not installed yet)."""
     message = f"the API server rejected the JobSet: {exc}"
-    out.set(cond.CREATED, "False", "JobSetRejected", message)
+    out.set(cond.ConditionType.CREATED, "False", "JobSetRejected", message)
     out.fields["message"] = message
     out.event("Warning", "JobSetRejected", message)
     out.retry_after = 60.0 if exc.status in (403, 404) else None
@@ -333,9 +338,9 @@ def _rejected(out: Outcome, exc: ApiError) -> None:
 
 def _name_conflict(out: Outcome, name: str) -> None:
     message = f"a JobSet named {name} exists and is not owned by this TrainingJob; rename one of them"
-    if cond.condition_status(out.conditions, cond.CREATED) != "False":
-        out.event("Warning", cond.REASON_NAME_CONFLICT, message)
-    out.set(cond.CREATED, "False", cond.REASON_NAME_CONFLICT, message)
+    if cond.condition_status(out.conditions, cond.ConditionType.CREATED) != "False":
+        out.event("Warning", cond.Reason.JOBSET_NAME_CONFLICT, message)
+    out.set(cond.ConditionType.CREATED, "False", cond.Reason.JOBSET_NAME_CONFLICT, message)
     out.fields["message"] = message
 
 

@@ -20,6 +20,7 @@ import kopf
 
 from wanloom_api import keys
 from wanloom_api import trainingjob as tj
+from wanloom_api.conditions import TERMINAL_PHASES, Phase
 from wanloom_operator.reconcile import children, observe
 from wanloom_operator.reconcile.cluster import API_THREADS, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, ApiError
 from wanloom_operator.reconcile.runtime import Runtime
@@ -28,7 +29,7 @@ from wanloom_operator.settings import OperatorSettings
 TRAININGJOBS = (tj.GROUP, tj.VERSION, tj.PLURAL)
 JOBSETS = (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)
 MANAGED = {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}
-UNTRACKED_PHASES = frozenset({"Succeeded", "Failed", "Invalid"})
+UNTRACKED_PHASES = TERMINAL_PHASES | {Phase.INVALID}
 ANNOTATION_PREFIX = "wanloom.dev"
 # kopf puts it on TrainingJobs whose tracker runs (not finished, not invalid), to stop the tracker before deletion.
 FINALIZER = "wanloom.dev/operator"

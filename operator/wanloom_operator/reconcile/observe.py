@@ -21,7 +21,6 @@ from wanloom_operator.reconcile import progress
 from wanloom_operator.reconcile.children import manifest, owned_by
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.reconcile.status import (
-    DEADLINE_EXCEEDED,
     Intent,
     changed,
     derive_phase,
@@ -91,7 +90,10 @@ async def _stop_past_deadline(
     Suspending deletes the pods and keeps the objects for inspection.
     """
     spec = jobset.get("spec") or {}
-    if spec.get("suspend") or derive_phase(dict(jobset), _intent(trainingjob), now).reason != DEADLINE_EXCEEDED:
+    if (
+        spec.get("suspend")
+        or derive_phase(dict(jobset), _intent(trainingjob), now).reason != cond.Reason.DEADLINE_EXCEEDED
+    ):
         return jobset
     meta = jobset["metadata"]
     await runtime.cluster.patch_jobset(meta["namespace"], meta["name"], {"spec": {"suspend": True}})
@@ -121,7 +123,7 @@ async def refresh(body: Mapping[str, Any], runtime: Runtime, tracked: Tracked, l
     if jobset is not None and not owned_by(jobset, body):
         jobset = None
     progress_patch = None
-    if jobset is not None and _phase(jobset, body) == "Running":
+    if jobset is not None and _phase(jobset, body) == cond.Phase.RUNNING:
         scrape = await _read_progress(body, jobset, names, runtime, tracked, logger)
         if scrape is not None:
             progress_patch = progress.progress_patch(scrape, tracked.scrape, now)

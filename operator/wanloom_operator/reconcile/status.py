@@ -25,15 +25,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from wanloom_api import conditions as cond
+from wanloom_api.conditions import TERMINAL_PHASES, Phase, Reason
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-DEADLINE_EXCEEDED = "DeadlineExceeded"
+# The phases that have a condition of their own (True while the job is in that phase).
 _PHASE_CONDITIONS = {
-    "Running": cond.RUNNING,
-    "Restarting": cond.RESTARTING,
-    "Suspended": cond.SUSPENDED,
-    "Succeeded": cond.SUCCEEDED,
-    "Failed": cond.FAILED,
+    Phase.RUNNING: cond.ConditionType.RUNNING,
+    Phase.RESTARTING: cond.ConditionType.RESTARTING,
+    Phase.SUSPENDED: cond.ConditionType.SUSPENDED,
+    Phase.SUCCEEDED: cond.ConditionType.SUCCEEDED,
+    Phase.FAILED: cond.ConditionType.FAILED,
 }
 
 
@@ -50,8 +50,8 @@ class Intent:
 
 @dataclass(frozen=True)
 class PhaseInfo:
-    phase: str
-    reason: str
+    phase: Phase
+    reason: str  # a Reason, or a failed JobSet's own
     message: str = ""
 
 
@@ -60,30 +60,32 @@ def derive_phase(jobset: dict[str, Any], intent: Intent, now: str | None = None)
     status = jobset.get("status") or {}
     true_conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
     if "Completed" in true_conditions:
-        return PhaseInfo("Succeeded", "JobSetCompleted", true_conditions["Completed"].get("message", ""))
+        return PhaseInfo(Phase.SUCCEEDED, Reason.JOBSET_COMPLETED, true_conditions["Completed"].get("message", ""))
     if "Failed" in true_conditions:
         failed = true_conditions["Failed"]
-        return PhaseInfo("Failed", failed.get("reason") or "JobSetFailed", failed.get("message", ""))
+        return PhaseInfo(Phase.FAILED, failed.get("reason") or Reason.JOBSET_FAILED, failed.get("message", ""))
     if intent.deadline is not None and now is not None and parse_time(now) >= intent.deadline:
         message = (
             f"spec.activeDeadlineSeconds ran out at {intent.deadline.isoformat()} (the whole run, restarts included)"
         )
-        return PhaseInfo("Failed", DEADLINE_EXCEEDED, message)
+        return PhaseInfo(Phase.FAILED, Reason.DEADLINE_EXCEEDED, message)
     if (jobset.get("spec") or {}).get("suspend"):
         if intent.suspend:
-            return PhaseInfo("Suspended", "Suspended", "spec.suspend is true")
+            return PhaseInfo(Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true")
         if intent.queue_name:
-            return PhaseInfo("Pending", cond.REASON_QUEUED, f"queued in Kueue LocalQueue {intent.queue_name!r}")
-        return PhaseInfo("Pending", "Resuming", "the JobSet is being resumed")
+            return PhaseInfo(
+                Phase.PENDING, Reason.WAITING_FOR_ADMISSION, f"queued in Kueue LocalQueue {intent.queue_name!r}"
+            )
+        return PhaseInfo(Phase.PENDING, Reason.RESUMING, "the JobSet is being resumed")
     if "RestartingJobSet" in true_conditions:
         restarting = true_conditions["RestartingJobSet"]
-        return PhaseInfo("Restarting", restarting.get("reason") or "Restarting", restarting.get("message", ""))
+        return PhaseInfo(Phase.RESTARTING, restarting.get("reason") or Reason.RESTARTING, restarting.get("message", ""))
     expected, ready, started = _job_counts(jobset)
     if expected and ready >= expected:
-        return PhaseInfo("Running", "AllJobsReady", f"{ready}/{expected} Jobs ready")
+        return PhaseInfo(Phase.RUNNING, Reason.ALL_JOBS_READY, f"{ready}/{expected} Jobs ready")
     if started:
-        return PhaseInfo("Starting", "JobsStarting", f"{ready}/{expected} Jobs ready")
-    return PhaseInfo("Pending", "WaitingForPods", "no Job has started yet")
+        return PhaseInfo(Phase.STARTING, Reason.JOBS_STARTING, f"{ready}/{expected} Jobs ready")
+    return PhaseInfo(Phase.PENDING, Reason.WAITING_FOR_PODS, "no Job has started yet")
 
 
 def derive_status(
@@ -105,12 +107,12 @@ def derive_status(
             now=now,
             generation=generation,
         )
-    queued = info.reason == cond.REASON_QUEUED
+    queued = info.reason == Reason.WAITING_FOR_ADMISSION
     conditions = cond.set_condition(
         conditions,
-        cond.QUEUED,
+        cond.ConditionType.QUEUED,
         "True" if queued else "False",
-        info.reason if queued else "NotQueued",
+        info.reason if queued else Reason.NOT_QUEUED,
         info.message if queued else "",
         now=now,
         generation=generation,
@@ -122,7 +124,7 @@ def derive_status(
         "restarts": int(js_status.get("restarts") or 0),
         "replicatedJobs": [_replicated_job(r) for r in js_status.get("replicatedJobsStatus") or []],
     }
-    if info.phase in ("Starting", "Running") and not previous.get("startTime"):
+    if info.phase in (Phase.STARTING, Phase.RUNNING) and not previous.get("startTime"):
         patch["startTime"] = now
     if info.phase in TERMINAL_PHASES:
         patch["completionTime"] = previous.get("completionTime") or now

@@ -9,8 +9,8 @@ from wanloom_operator.reconcile.children import Outcome, owned_by
 def test_status_patch_keeps_conditions_written_concurrently() -> None:
     seen = {"conditions": [{"type": "Valid", "status": "True", "reason": "Valid", "lastTransitionTime": "T0"}]}
     out = Outcome.start(seen, now="T1")
-    out.set(cond.CREATED, "True", cond.REASON_CREATED)
-    out.set(cond.VALID, "True", cond.REASON_VALID)  # unchanged: not written back
+    out.set(cond.ConditionType.CREATED, "True", cond.Reason.JOBSET_CREATED)
+    out.set(cond.ConditionType.VALID, "True", cond.Reason.VALID)  # unchanged: not written back
     out.phase, out.phase_from = "Pending", frozenset({None, "Invalid"})
     fresh = {  # meanwhile the JobSet watch wrote Running
         "phase": "Running",
@@ -27,7 +27,7 @@ def test_status_patch_keeps_conditions_written_concurrently() -> None:
 
 def test_invalid_phase_only_without_a_jobset() -> None:
     out = Outcome.start({}, now="T")
-    out.set(cond.VALID, "False", cond.REASON_INVALID, "spec.x: bad")
+    out.set(cond.ConditionType.VALID, "False", cond.Reason.INVALID_SPEC, "spec.x: bad")
     out.phase, out.phase_unless_created = "Invalid", True
     assert out.status_patch({})["phase"] == "Invalid"
     created = {"conditions": [{"type": "Created", "status": "True", "reason": "JobSetCreated"}], "phase": "Running"}
