@@ -7,11 +7,50 @@ Prometheus' own target label would rename it to ``exported_job``; the TrainingJo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 120, 300)
 SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+
+
+class Metric(StrEnum):
+    """Every series name, defined once: code refers to ``Metric.STEP``, never to a string."""
+
+    STEP_TIME_SECONDS = "wanloom_step_time_seconds"
+    DATA_WAIT_SECONDS = "wanloom_data_wait_seconds"
+    LOAD_IMBALANCE_CV = "wanloom_load_imbalance_cv"
+    RANK_BUSY_SECONDS = "wanloom_rank_busy_seconds"
+    RANK_PREDICTED_BUSY_SECONDS = "wanloom_rank_predicted_busy_seconds"
+    COST_MODEL_ERROR_RATIO = "wanloom_cost_model_error_ratio"
+    COST_MODEL_REFITS_TOTAL = "wanloom_cost_model_refits_total"
+    COMPUTE_LOAD_CV = "wanloom_compute_load_cv"
+    STRAGGLER_OVERHEAD_RATIO = "wanloom_straggler_overhead_ratio"
+    TOKENS_PER_SECOND = "wanloom_tokens_per_second"
+    MFU_RATIO = "wanloom_mfu_ratio"
+    LOSS = "wanloom_loss"
+    GRAD_NORM = "wanloom_grad_norm"
+    LEARNING_RATE = "wanloom_learning_rate"
+    EXPERT_STEPS_TOTAL = "wanloom_expert_steps_total"
+    EXPERT_SAMPLES_TOTAL = "wanloom_expert_samples_total"
+    EXPERT_EXPECTED_SHARE_RATIO = "wanloom_expert_expected_share_ratio"
+    EXPERT_SAMPLE_SHARE_RATIO = "wanloom_expert_sample_share_ratio"
+    STEP = "wanloom_step"
+    TOTAL_STEPS = "wanloom_total_steps"
+    SKIPPED_SAMPLES_TOTAL = "wanloom_skipped_samples_total"
+    SKIPPED_DISTINCT_SAMPLES_TOTAL = "wanloom_skipped_distinct_samples_total"
+    STORAGE_OUTAGE_SECONDS = "wanloom_storage_outage_seconds"
+    LAST_CHECKPOINT_STEP = "wanloom_last_checkpoint_step"
+    LAST_CHECKPOINT_TIMESTAMP_SECONDS = "wanloom_last_checkpoint_timestamp_seconds"
+    LAST_CHECKPOINT_DURATION_SECONDS = "wanloom_last_checkpoint_duration_seconds"
+    CHECKPOINT_DURATION_SECONDS = "wanloom_checkpoint_duration_seconds"
+    OPERATOR_RECONCILE_DURATION_SECONDS = "wanloom_operator_reconcile_duration_seconds"
+    OPERATOR_RECONCILE_ERRORS_TOTAL = "wanloom_operator_reconcile_errors_total"
+    OPERATOR_TRAININGJOBS = "wanloom_operator_trainingjobs"
+    OPERATOR_JOB_STEP_TIME_SECONDS = "wanloom_operator_job_step_time_seconds"
+    OPERATOR_JOB_LOAD_IMBALANCE_CV = "wanloom_operator_job_load_imbalance_cv"
+    OPERATOR_JOB_RESTARTS = "wanloom_operator_job_restarts"
 
 
 @dataclass(frozen=True)
@@ -30,7 +69,7 @@ _TE = ("trainingjob", "expert")
 
 TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
-        "wanloom_step_time_seconds",
+        Metric.STEP_TIME_SECONDS,
         "histogram",
         "Wall time of one training step on this rank.",
         _TR,
@@ -38,7 +77,7 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         "trainer",
     ),
     MetricDef(
-        "wanloom_data_wait_seconds",
+        Metric.DATA_WAIT_SECONDS,
         "histogram",
         "Time a step waited for its input on this rank.",
         _TR,
@@ -46,26 +85,26 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         "trainer",
     ),
     MetricDef(
-        "wanloom_load_imbalance_cv",
+        Metric.LOAD_IMBALANCE_CV,
         "gauge",
         "Coefficient of variation of the ranks' measured busy times of the last step (0 = balanced).",
         _T,
     ),
     MetricDef(
-        "wanloom_rank_busy_seconds",
+        Metric.RANK_BUSY_SECONDS,
         "gauge",
         "Each rank's measured forward and backward time of the last step, before the gradient update.",
         _TR,
     ),
     MetricDef(
-        "wanloom_rank_predicted_busy_seconds",
+        Metric.RANK_PREDICTED_BUSY_SECONDS,
         "gauge",
         "The cost model's prediction of each rank's busy time of the last step, in the model's unit (seconds "
         "unless spec.adaptiveLoad gives only an exponent).",
         _TR,
     ),
     MetricDef(
-        "wanloom_cost_model_error_ratio",
+        Metric.COST_MODEL_ERROR_RATIO,
         "gauge",
         "Relative RMS error against the run's measured slot times: the model in use (after one best scale "
         "factor), and the k-fold held-out error of the online refit and of the analytic FLOP model fitted to the "
@@ -73,60 +112,60 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         ("trainingjob", "model"),
     ),
     MetricDef(
-        "wanloom_cost_model_refits_total",
+        Metric.COST_MODEL_REFITS_TOTAL,
         "counter",
         "Online refits of the cost model, by outcome: accepted, rejected (not better than the analytic FLOP model) "
         "or kept (no better than the model in use).",
         ("trainingjob", "outcome"),
     ),
     MetricDef(
-        "wanloom_compute_load_cv",
+        Metric.COMPUTE_LOAD_CV,
         "gauge",
         "Coefficient of variation of the per-rank compute load predicted by the AdaptiveLoad cost model.",
         _T,
     ),
     MetricDef(
-        "wanloom_straggler_overhead_ratio",
+        Metric.STRAGGLER_OVERHEAD_RATIO,
         "gauge",
         "Slowest rank's busy time over the mean rank's, minus one, for the last step.",
         _T,
     ),
-    MetricDef("wanloom_tokens_per_second", "gauge", "Transformer tokens trained per second, all ranks.", _T),
+    MetricDef(Metric.TOKENS_PER_SECOND, "gauge", "Transformer tokens trained per second, all ranks.", _T),
     MetricDef(
-        "wanloom_mfu_ratio",
+        Metric.MFU_RATIO,
         "gauge",
         "Model FLOP utilisation (0-1): model FLOPs per second over the dense bf16 peak of all devices "
         "(formula and peaks in docs/metrics.md).",
         _T,
     ),
-    MetricDef("wanloom_loss", "gauge", "Mean flow-matching loss of the last step, per expert.", _TE),
-    MetricDef("wanloom_grad_norm", "gauge", "Global gradient norm of the last step, per expert.", _TE),
-    MetricDef("wanloom_learning_rate", "gauge", "Learning rate of the last step, per expert.", _TE),
-    MetricDef("wanloom_expert_steps_total", "counter", "Optimizer steps that updated each expert.", _TE),
-    MetricDef("wanloom_expert_samples_total", "counter", "Training samples routed to each expert.", _TE),
+    MetricDef(Metric.LOSS, "gauge", "Mean flow-matching loss of the last step, per expert.", _TE),
+    MetricDef(Metric.GRAD_NORM, "gauge", "Global gradient norm of the last step, per expert.", _TE),
+    MetricDef(Metric.LEARNING_RATE, "gauge", "Learning rate of the last step, per expert.", _TE),
+    MetricDef(Metric.EXPERT_STEPS_TOTAL, "counter", "Optimizer steps that updated each expert.", _TE),
+    MetricDef(Metric.EXPERT_SAMPLES_TOTAL, "counter", "Training samples routed to each expert.", _TE),
     MetricDef(
-        "wanloom_expert_expected_share_ratio",
+        Metric.EXPERT_EXPECTED_SHARE_RATIO,
         "gauge",
         "Fraction of samples the configured timestep distribution routes to each expert (0-1).",
         _TE,
     ),
     MetricDef(
-        "wanloom_expert_sample_share_ratio",
+        Metric.EXPERT_SAMPLE_SHARE_RATIO,
         "gauge",
         "Fraction of this run's samples routed to each expert so far (0-1); compare with the expected share.",
         _TE,
     ),
-    MetricDef("wanloom_step", "gauge", "Last completed optimizer step.", _T),
-    MetricDef("wanloom_total_steps", "gauge", "Configured number of optimizer steps.", _T),
+    MetricDef(Metric.STEP, "gauge", "Last completed optimizer step.", _T),
+    MetricDef(Metric.TOTAL_STEPS, "gauge", "Configured number of optimizer steps.", _T),
     MetricDef(
-        "wanloom_skipped_samples_total",
+        Metric.SKIPPED_SAMPLES_TOTAL,
         "counter",
         "Planned rows the loader could not fill (corrupt or missing samples), counted per draw.",
         ("trainingjob", "reason"),
         exported_by="trainer",
     ),
     MetricDef(
-        "wanloom_skipped_distinct_samples_total",
+        Metric.SKIPPED_DISTINCT_SAMPLES_TOTAL,
         "counter",
         "Distinct corrupt or missing samples skipped (a sample drawn again is not counted again); "
         "spec.data.maxBadSamples bounds this one.",
@@ -134,34 +173,34 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         exported_by="trainer",
     ),
     MetricDef(
-        "wanloom_storage_outage_seconds",
+        Metric.STORAGE_OUTAGE_SECONDS,
         "gauge",
         "How long dataset storage has been unreachable (0 when healthy); the run fails past "
         "spec.data.storageOutageSeconds.",
         _T,
         exported_by="trainer",
     ),
-    MetricDef("wanloom_last_checkpoint_step", "gauge", "Step of the last completed checkpoint.", _T),
+    MetricDef(Metric.LAST_CHECKPOINT_STEP, "gauge", "Step of the last completed checkpoint.", _T),
     MetricDef(
-        "wanloom_last_checkpoint_timestamp_seconds",
+        Metric.LAST_CHECKPOINT_TIMESTAMP_SECONDS,
         "gauge",
         "Unix time of the last completed checkpoint (checkpoint age = time() - this).",
         _T,
     ),
     MetricDef(
-        "wanloom_last_checkpoint_duration_seconds",
+        Metric.LAST_CHECKPOINT_DURATION_SECONDS,
         "gauge",
         "Wall time of the last completed checkpoint save, from its start to its commit.",
         _T,
     ),
     MetricDef(
-        "wanloom_checkpoint_duration_seconds", "histogram", "Wall time of a checkpoint save.", _T, CHECKPOINT_BUCKETS
+        Metric.CHECKPOINT_DURATION_SECONDS, "histogram", "Wall time of a checkpoint save.", _T, CHECKPOINT_BUCKETS
     ),
 )
 
 OPERATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
-        "wanloom_operator_reconcile_duration_seconds",
+        Metric.OPERATOR_RECONCILE_DURATION_SECONDS,
         "histogram",
         "Duration of one operator handler call.",
         ("handler",),
@@ -169,35 +208,35 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
         "operator",
     ),
     MetricDef(
-        "wanloom_operator_reconcile_errors_total",
+        Metric.OPERATOR_RECONCILE_ERRORS_TOTAL,
         "counter",
         "Handler calls that raised.",
         ("handler", "kind"),
         exported_by="operator",
     ),
     MetricDef(
-        "wanloom_operator_trainingjobs",
+        Metric.OPERATOR_TRAININGJOBS,
         "gauge",
         "TrainingJobs known to the operator, by phase.",
         ("phase",),
         exported_by="operator",
     ),
     MetricDef(
-        "wanloom_operator_job_step_time_seconds",
+        Metric.OPERATOR_JOB_STEP_TIME_SECONDS,
         "gauge",
         "Step time mirrored from a TrainingJob's status.",
         ("namespace", "trainingjob"),
         exported_by="operator",
     ),
     MetricDef(
-        "wanloom_operator_job_load_imbalance_cv",
+        Metric.OPERATOR_JOB_LOAD_IMBALANCE_CV,
         "gauge",
         "Load-imbalance CV mirrored from a TrainingJob's status.",
         ("namespace", "trainingjob"),
         exported_by="operator",
     ),
     MetricDef(
-        "wanloom_operator_job_restarts",
+        Metric.OPERATOR_JOB_RESTARTS,
         "gauge",
         "JobSet restarts of a TrainingJob (status.restarts; preemptions included).",
         ("namespace", "trainingjob"),

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from wanloom_api.conditions import Phase
-from wanloom_api.metrics import metric
+from wanloom_api.metrics import Metric, metric
 
 UNKNOWN_PHASE = "Unknown"  # a TrainingJob the operator has not given a phase yet
 
@@ -23,12 +23,12 @@ UNKNOWN_PHASE = "Unknown"  # a TrainingJob the operator has not given a phase ye
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.reconcile_duration = _histogram("wanloom_operator_reconcile_duration_seconds", self.registry)
-        self.reconcile_errors = _counter("wanloom_operator_reconcile_errors_total", self.registry)
-        self.trainingjobs = _gauge("wanloom_operator_trainingjobs", self.registry)
-        self.job_step_time = _gauge("wanloom_operator_job_step_time_seconds", self.registry)
-        self.job_load_cv = _gauge("wanloom_operator_job_load_imbalance_cv", self.registry)
-        self.job_restarts = _gauge("wanloom_operator_job_restarts", self.registry)
+        self.reconcile_duration = _histogram(Metric.OPERATOR_RECONCILE_DURATION_SECONDS, self.registry)
+        self.reconcile_errors = _counter(Metric.OPERATOR_RECONCILE_ERRORS_TOTAL, self.registry)
+        self.trainingjobs = _gauge(Metric.OPERATOR_TRAININGJOBS, self.registry)
+        self.job_step_time = _gauge(Metric.OPERATOR_JOB_STEP_TIME_SECONDS, self.registry)
+        self.job_load_cv = _gauge(Metric.OPERATOR_JOB_LOAD_IMBALANCE_CV, self.registry)
+        self.job_restarts = _gauge(Metric.OPERATOR_JOB_RESTARTS, self.registry)
         self._phases: dict[tuple[str, str], str] = {}
         self._refresh_phase_counts()
 

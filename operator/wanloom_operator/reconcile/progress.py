@@ -19,14 +19,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from wanloom_api import keys
-
-STEP = "wanloom_step"
-TOTAL_STEPS = "wanloom_total_steps"
-STEP_TIME = "wanloom_step_time_seconds"
-LOAD_CV = "wanloom_load_imbalance_cv"
-TOKENS = "wanloom_tokens_per_second"
-LOSS = "wanloom_loss"
-LAST_CHECKPOINT = "wanloom_last_checkpoint_step"
+from wanloom_api.metrics import Metric
 
 
 @dataclass
@@ -44,11 +37,18 @@ def parse_metrics(text: str) -> Scrape:
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == f"{STEP_TIME}_sum":
+            if sample.name == f"{Metric.STEP_TIME_SECONDS}_sum":
                 sums[sample.labels.get("rank", "")] = sample.value
-            elif sample.name == f"{STEP_TIME}_count":
+            elif sample.name == f"{Metric.STEP_TIME_SECONDS}_count":
                 counts[sample.labels.get("rank", "")] = sample.value
-            elif sample.name in (STEP, TOTAL_STEPS, LOAD_CV, TOKENS, LOSS, LAST_CHECKPOINT):
+            elif sample.name in (
+                Metric.STEP,
+                Metric.TOTAL_STEPS,
+                Metric.LOAD_IMBALANCE_CV,
+                Metric.TOKENS_PER_SECOND,
+                Metric.LOSS,
+                Metric.LAST_CHECKPOINT_STEP,
+            ):
                 scrape.gauges.setdefault(sample.name, []).append(sample.value)
     scrape.step_time = {rank: (sums[rank], counts[rank]) for rank in sums if rank in counts}
     return scrape
@@ -57,13 +57,13 @@ def parse_metrics(text: str) -> Scrape:
 def progress_patch(scrape: Scrape, previous: Scrape | None, now: str) -> dict[str, Any]:
     """``status.progress`` from this read (and the previous one, for the step-time window)."""
     patch: dict[str, Any] = {
-        "step": _int(_first(scrape, STEP)),
-        "totalSteps": _int(_first(scrape, TOTAL_STEPS)),
+        "step": _int(_first(scrape, Metric.STEP)),
+        "totalSteps": _int(_first(scrape, Metric.TOTAL_STEPS)),
         "stepTimeSeconds": step_time_seconds(scrape, previous),
-        "loadImbalanceCV": _first(scrape, LOAD_CV),
-        "tokensPerSecond": _first(scrape, TOKENS),
-        "loss": _mean(scrape.gauges.get(LOSS, [])),
-        "lastCheckpointStep": _int(_first(scrape, LAST_CHECKPOINT)),
+        "loadImbalanceCV": _first(scrape, Metric.LOAD_IMBALANCE_CV),
+        "tokensPerSecond": _first(scrape, Metric.TOKENS_PER_SECOND),
+        "loss": _mean(scrape.gauges.get(Metric.LOSS, [])),
+        "lastCheckpointStep": _int(_first(scrape, Metric.LAST_CHECKPOINT_STEP)),
         "updatedAt": now,
     }
     return {k: v for k, v in patch.items() if v is not None}

@@ -32,6 +32,7 @@ from wanloom_api.metrics import (
     REFIT_OUTCOMES,
     SKIP_REASONS,
     TRAINER_METRICS,
+    Metric,
     MetricDef,
 )
 from wanloom_trainer import flops
@@ -96,12 +97,12 @@ class TrainerMetrics:
         self._expert_samples: dict[int, int] = {}  # samples per expert id in this process, for the share gauge
         # Series at 0 from the start, so rate() and increase() see the first skip instead of a new series.
         for reason in SKIP_REASONS:
-            self._metric("wanloom_skipped_samples_total").labels(trainingjob, reason)
-            self._metric("wanloom_skipped_distinct_samples_total").labels(trainingjob, reason)
-        self._metric("wanloom_storage_outage_seconds").labels(trainingjob).set(0.0)
+            self._metric(Metric.SKIPPED_SAMPLES_TOTAL).labels(trainingjob, reason)
+            self._metric(Metric.SKIPPED_DISTINCT_SAMPLES_TOTAL).labels(trainingjob, reason)
+        self._metric(Metric.STORAGE_OUTAGE_SECONDS).labels(trainingjob).set(0.0)
         if rank == 0:
             for outcome in REFIT_OUTCOMES:
-                self._metric("wanloom_cost_model_refits_total").labels(trainingjob, outcome)
+                self._metric(Metric.COST_MODEL_REFITS_TOTAL).labels(trainingjob, outcome)
 
     # -- serving --------------------------------------------------------------------------------------------------
 
@@ -123,11 +124,11 @@ class TrainerMetrics:
 
     def record_step(self, record: StepRecord) -> None:
         """Observe this rank's step time; on rank 0 also set progress, balance, throughput and expert metrics."""
-        self._metric("wanloom_step_time_seconds").labels(self.trainingjob, str(self.rank)).observe(record.step_time_s)
+        self._metric(Metric.STEP_TIME_SECONDS).labels(self.trainingjob, str(self.rank)).observe(record.step_time_s)
         if self.rank != 0:
             return
-        self._metric("wanloom_step").labels(self.trainingjob).set(record.step)
-        self._metric("wanloom_total_steps").labels(self.trainingjob).set(record.total_steps)
+        self._metric(Metric.STEP).labels(self.trainingjob).set(record.step)
+        self._metric(Metric.TOTAL_STEPS).labels(self.trainingjob).set(record.total_steps)
         self._record_balance(record)
         self._record_throughput(record)
         self._record_experts(record)
@@ -138,27 +139,27 @@ class TrainerMetrics:
         _require(duration_s >= 0 and math.isfinite(duration_s), f"record_checkpoint: bad duration_s {duration_s}")
         if self.rank != 0:
             return
-        self._metric("wanloom_checkpoint_duration_seconds").labels(self.trainingjob).observe(duration_s)
-        self._metric("wanloom_last_checkpoint_step").labels(self.trainingjob).set(step)
-        self._metric("wanloom_last_checkpoint_duration_seconds").labels(self.trainingjob).set(duration_s)
-        self._metric("wanloom_last_checkpoint_timestamp_seconds").labels(self.trainingjob).set(timestamp)
+        self._metric(Metric.CHECKPOINT_DURATION_SECONDS).labels(self.trainingjob).observe(duration_s)
+        self._metric(Metric.LAST_CHECKPOINT_STEP).labels(self.trainingjob).set(step)
+        self._metric(Metric.LAST_CHECKPOINT_DURATION_SECONDS).labels(self.trainingjob).set(duration_s)
+        self._metric(Metric.LAST_CHECKPOINT_TIMESTAMP_SECONDS).labels(self.trainingjob).set(timestamp)
 
     def record_skipped(self, reason: str, n: int = 1, *, distinct: int = 0) -> None:
         """``n`` planned rows the loader could not fill on this rank, ``distinct`` of them samples not skipped before
         (``reason``: a short fixed word, e.g. "corrupt")."""
         _require(bool(reason), "record_skipped: reason must be a non-empty string")
         _require(n >= 0 and distinct >= 0, f"record_skipped: n and distinct must be >= 0, got {n}, {distinct}")
-        self._metric("wanloom_skipped_samples_total").labels(self.trainingjob, reason).inc(n)
-        self._metric("wanloom_skipped_distinct_samples_total").labels(self.trainingjob, reason).inc(distinct)
+        self._metric(Metric.SKIPPED_SAMPLES_TOTAL).labels(self.trainingjob, reason).inc(n)
+        self._metric(Metric.SKIPPED_DISTINCT_SAMPLES_TOTAL).labels(self.trainingjob, reason).inc(distinct)
 
     def record_storage_outage(self, seconds: float) -> None:
         """How long dataset storage has been unreachable (0: healthy again)."""
-        self._metric("wanloom_storage_outage_seconds").labels(self.trainingjob).set(seconds)
+        self._metric(Metric.STORAGE_OUTAGE_SECONDS).labels(self.trainingjob).set(seconds)
 
     def record_data_wait(self, seconds: float) -> None:
         """Time this rank's step waited for its input batch."""
         _require(seconds >= 0 and math.isfinite(seconds), f"record_data_wait: seconds must be >= 0, got {seconds}")
-        self._metric("wanloom_data_wait_seconds").labels(self.trainingjob, str(self.rank)).observe(seconds)
+        self._metric(Metric.DATA_WAIT_SECONDS).labels(self.trainingjob, str(self.rank)).observe(seconds)
 
     # -- rank-0 pieces --------------------------------------------------------------------------------------------
 
@@ -170,10 +171,10 @@ class TrainerMetrics:
         for model, error in errors.items():
             _require(model in COST_MODEL_LABELS, f"record_cost_model: model {model!r} not in {COST_MODEL_LABELS}")
             if error is not None:
-                self._metric("wanloom_cost_model_error_ratio").labels(self.trainingjob, model).set(error)
+                self._metric(Metric.COST_MODEL_ERROR_RATIO).labels(self.trainingjob, model).set(error)
         if outcome is not None:
             _require(outcome in REFIT_OUTCOMES, f"record_cost_model: outcome {outcome!r} not in {REFIT_OUTCOMES}")
-            self._metric("wanloom_cost_model_refits_total").labels(self.trainingjob, outcome).inc()
+            self._metric(Metric.COST_MODEL_REFITS_TOTAL).labels(self.trainingjob, outcome).inc()
 
     def _record_balance(self, record: StepRecord) -> None:
         fields = ("rank_step_times_s", "rank_busy_s", "rank_predicted_busy_s")
@@ -183,48 +184,48 @@ class TrainerMetrics:
         # Busy times leave out the gradient synchronisation, where every rank waits for the slowest.
         measured = busy if busy is not None else times
         if measured is not None:
-            self._metric("wanloom_load_imbalance_cv").labels(self.trainingjob).set(coefficient_of_variation(measured))
-            self._metric("wanloom_straggler_overhead_ratio").labels(self.trainingjob).set(straggler_overhead(measured))
-        for name, values in (("wanloom_rank_busy_seconds", busy), ("wanloom_rank_predicted_busy_seconds", predicted)):
+            self._metric(Metric.LOAD_IMBALANCE_CV).labels(self.trainingjob).set(coefficient_of_variation(measured))
+            self._metric(Metric.STRAGGLER_OVERHEAD_RATIO).labels(self.trainingjob).set(straggler_overhead(measured))
+        for name, values in ((Metric.RANK_BUSY_SECONDS, busy), (Metric.RANK_PREDICTED_BUSY_SECONDS, predicted)):
             for rank, value in enumerate(values if values is not None else ()):
                 self._metric(name).labels(self.trainingjob, str(rank)).set(value)
         if record.rank_predicted_costs:
             costs = _per_rank(record.rank_predicted_costs, "StepRecord.rank_predicted_costs")
-            self._metric("wanloom_compute_load_cv").labels(self.trainingjob).set(coefficient_of_variation(costs))
+            self._metric(Metric.COMPUTE_LOAD_CV).labels(self.trainingjob).set(coefficient_of_variation(costs))
 
     def _record_throughput(self, record: StepRecord) -> None:
         wall = record.wall_time_s
-        self._metric("wanloom_tokens_per_second").labels(self.trainingjob).set(record.tokens / wall)
+        self._metric(Metric.TOKENS_PER_SECOND).labels(self.trainingjob).set(record.tokens / wall)
         try:
             ratio = flops.mfu(record.model_flops, wall, record.num_devices, record.accelerator)
         except ValueError as err:
             # An accelerator without a known peak must not stop training: MFU stays unset and we say why once.
             if record.accelerator not in self._unknown_accelerators:
                 self._unknown_accelerators.add(record.accelerator)
-                log.warning("wanloom_mfu_ratio not exported: %s", err)
+                log.warning("%s not exported: %s", Metric.MFU_RATIO, err)
             return
-        self._metric("wanloom_mfu_ratio").labels(self.trainingjob).set(ratio)
+        self._metric(Metric.MFU_RATIO).labels(self.trainingjob).set(ratio)
 
     def _record_experts(self, record: StepRecord) -> None:
         for name, values in (
-            ("wanloom_loss", record.loss),
-            ("wanloom_grad_norm", record.grad_norm),
-            ("wanloom_learning_rate", record.learning_rate),
+            (Metric.LOSS, record.loss),
+            (Metric.GRAD_NORM, record.grad_norm),
+            (Metric.LEARNING_RATE, record.learning_rate),
         ):
             for expert, value in values.items():
                 self._metric(name).labels(self.trainingjob, expert_label(expert)).set(value)
         for expert, n in record.expert_samples.items():
             label = expert_label(expert)
             # .labels() alone creates the series at 0, so rate() sees an expert's first samples too.
-            samples = self._metric("wanloom_expert_samples_total").labels(self.trainingjob, label)
-            steps = self._metric("wanloom_expert_steps_total").labels(self.trainingjob, label)
+            samples = self._metric(Metric.EXPERT_SAMPLES_TOTAL).labels(self.trainingjob, label)
+            steps = self._metric(Metric.EXPERT_STEPS_TOTAL).labels(self.trainingjob, label)
             self._expert_samples[expert] = self._expert_samples.get(expert, 0) + n
             if n > 0:
                 samples.inc(n)
                 steps.inc()
         total = sum(self._expert_samples.values())
         for expert, n in self._expert_samples.items():
-            share = self._metric("wanloom_expert_sample_share_ratio").labels(self.trainingjob, expert_label(expert))
+            share = self._metric(Metric.EXPERT_SAMPLE_SHARE_RATIO).labels(self.trainingjob, expert_label(expert))
             share.set(n / total if total else 0.0)
 
     def record_expected_shares(self, shares: Sequence[float]) -> None:
@@ -233,9 +234,7 @@ class TrainerMetrics:
         if self.rank != 0:
             return
         for expert, share in enumerate(shares):
-            self._metric("wanloom_expert_expected_share_ratio").labels(self.trainingjob, expert_label(expert)).set(
-                share
-            )
+            self._metric(Metric.EXPERT_EXPECTED_SHARE_RATIO).labels(self.trainingjob, expert_label(expert)).set(share)
 
     def _metric(self, name: str) -> MetricWrapperBase:
         return self._m[name]
