@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -70,6 +70,10 @@ DEFAULT_IMAGE_TO_VIDEO_FRACTION: dict[str, float | None] = {
     "tiny-ti2v": 0.5,
 }
 DType = Literal["float32", "bfloat16"]
+AdalnImpl = Literal["fused", "reference"]
+Remat = Literal["none", "full", "save-matmuls", "save-attention"]
+ADALN_IMPLS: tuple[str, ...] = get_args(AdalnImpl)
+REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 
 
 # A dataset, weights or checkpoint location: gs://bucket[/prefix] or a path. The CEL rule mirrors
@@ -321,7 +325,7 @@ class AdaptiveLoadSpec(_Model):
 
 
 class KernelsSpec(_Model):
-    adaln: Literal["fused", "reference"] = Field(
+    adaln: AdalnImpl = Field(
         "reference", description="fused: Pallas (TPU) / Triton (GPU) LayerNorm+modulate; reference: framework ops."
     )
     attention: Literal["auto", "xla", "splash", "sdpa", "flash"] = Field(
@@ -345,7 +349,7 @@ class ParallelismSpec(_Model):
     )
     context: int = Field(1, ge=-1, le=MAX_DEGREE, description="Context (sequence) parallel degree.")
     tensor: int = Field(1, ge=-1, le=MAX_DEGREE, description="Tensor parallel degree.")
-    remat: Literal["none", "full", "save-matmuls", "save-attention"] = Field(
+    remat: Remat = Field(
         "save-attention",
         description="Activation rematerialisation: none, full, save-matmuls (save matmul outputs without a batch "
         "dimension), save-attention (save attention outputs, recompute the rest).",

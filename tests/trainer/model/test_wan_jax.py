@@ -105,12 +105,12 @@ def test_remat_policies_keep_gradients_and_save_named_attention_outputs(capsys) 
         return (jax.jit(jax.grad(loss))(state) if with_grads else None), saved
 
     base, base_saved = grads_and_residuals("none", with_grads=True)
-    for remat in ("full", "save_attn", "dots"):
-        grads, saved = grads_and_residuals(remat, with_grads=remat == "save_attn")
+    for remat in ("full", "save-attention", "save-matmuls"):
+        grads, saved = grads_and_residuals(remat, with_grads=remat == "save-attention")
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base) if grads else [], strict=True):
             assert _rel(a, b) < 1e-5, remat  # recomputation reorders float sums, nothing more
         assert saved.count("\n") < base_saved.count("\n"), f"{remat} must save fewer residuals than none"
-        if remat == "save_attn":
+        if remat == "save-attention":
             assert saved.count("named 'attn_output'") == saved.count("named 'cross_attn_output'") == 1
         if remat == "full":
             assert "named '" not in saved
@@ -184,7 +184,7 @@ def test_bf16_compute_stays_close_to_fp32(tiny_model) -> None:
     ("kwargs", "message"),
     [
         ({"adaln_impl": "triton"}, "adaln_impl='triton' is not valid; valid: fused, reference"),
-        ({"remat": "some"}, "remat='some' is not valid; valid: none, full, save_attn, dots"),
+        ({"remat": "some"}, "remat='some' is not valid; valid: none, full, save-matmuls, save-attention"),
         ({"attention_impl": "flash"}, "unknown attention_impl 'flash'; valid: xla, splash"),
     ],
     ids=["adaln", "remat", "attention"],
@@ -208,3 +208,10 @@ def test_bad_inputs_name_the_argument(tiny_model, shapes, message) -> None:
     x, t, context = (jnp.zeros(shape) for shape in shapes)
     with pytest.raises(ValueError, match=message):
         tiny_model(x, t, context)
+
+
+def test_remat_policies_are_the_spec_vocabulary() -> None:
+    from wanloom_api import trainingjob
+    from wanloom_trainer.model import wan_jax
+
+    assert tuple(wan_jax.REMAT_POLICIES) == trainingjob.REMAT_POLICIES

@@ -19,10 +19,12 @@ from typing import Literal
 
 from wanloom_api import keys
 from wanloom_api.trainingjob import (
+    AdalnImpl,
     AdaptiveLoadSpec,
     CheckpointSpec,
     DataSpec,
     OptimizerSpec,
+    Remat,
     TrainingJob,
     TrainingJobSpec,
 )
@@ -41,9 +43,9 @@ class ModelConfig:
     weights: str | None
     param_dtype: Literal["float32", "bfloat16"]
     compute_dtype: Literal["float32", "bfloat16"]
-    adaln: Literal["fused", "reference"]
+    adaln: AdalnImpl
     attention: Literal["xla", "splash", "sdpa", "flash"]
-    remat: Literal["none", "full", "save-matmuls", "save-attention"]
+    remat: Remat
     num_layers: int | None = None  # fewer blocks than the variant has (wanloom compile --layers); None: all
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-ADALN_IMPLS = ("fused", "reference")
+from wanloom_api.trainingjob import ADALN_IMPLS
 
 _LAZY = {"adaln_torch": "wanloom_trainer.kernels.dispatch_torch", "adaln_jax": "wanloom_trainer.kernels.dispatch_jax"}
 

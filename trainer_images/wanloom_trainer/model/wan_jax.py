@@ -35,13 +35,14 @@ from wanloom_trainer.model.rope import rope_cos_sin, rope_cos_sin_at
 from wanloom_trainer.model.segment_attention import Segments
 
 FP32 = jnp.float32
-# Named jax.checkpoint policies for nnx.remat around each block. "save_attn" keeps the attention-core outputs
-# (tagged in attention.py), the most expensive activations to recompute at long sequence lengths.
+# The jax.checkpoint policy of each spec.parallelism.remat name, for nnx.remat around each block. "save-attention"
+# keeps the attention-core outputs (tagged in attention.py), the costliest activations to recompute at long
+# sequence lengths; "save-matmuls" keeps every matmul output without a batch dimension.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_attn": jax.checkpoint_policies.save_only_these_names(SELF_ATTN_TAG, CROSS_ATTN_TAG),
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save-matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save-attention": jax.checkpoint_policies.save_only_these_names(SELF_ATTN_TAG, CROSS_ATTN_TAG),
 }
 
 
@@ -84,21 +85,14 @@ def _modulated_layer_norm(
         x: [B, S, D] residual stream (any float dtype).
         scale, shift: float32 [B, 1, D] (one timestep per sample), [B, S, D] (per-token timesteps), or per segment
             [B, K, D] with ``segment_ids`` [B, S] (packed rows).
-        impl: "reference" (plain jnp, float32 inside) or "fused" (``wanloom_trainer.kernels.adaln_jax``).
+        impl: "reference" (``kernels.adaln_ref_jax``: plain jnp, float32 inside) or "fused" (the Pallas kernel).
 
     Returns:
         [B, S, D] in the dtype of ``x``.
     """
-    if impl == "fused":
-        from wanloom_trainer.kernels import adaln_jax  # lazy: the kernels pull in Pallas
+    from wanloom_trainer.kernels import adaln_jax  # lazy: the fused kernel pulls in Pallas
 
-        return adaln_jax(x, scale, shift, eps=eps, impl=impl, segment_ids=segment_ids)
-    scale, shift = _per_token(scale, segment_ids), _per_token(shift, segment_ids)
-    xf = x.astype(FP32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (normed * (1.0 + scale) + shift).astype(x.dtype)
+    return adaln_jax(x, scale, shift, eps=eps, impl=impl, segment_ids=segment_ids)
 
 
 class _Identity(nnx.Module):

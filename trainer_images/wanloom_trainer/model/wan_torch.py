@@ -23,11 +23,11 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
 from wanloom_api.metrics import EXPERT_LABELS
+from wanloom_api.trainingjob import ADALN_IMPLS
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS, WanVariant
 
 # Expert index (``wanloom_trainer.routing.HIGH_NOISE`` = 0, ``LOW_NOISE`` = 1) -> (name, diffusers subfolder).
 EXPERTS: tuple[tuple[str, str], ...] = tuple(zip(EXPERT_LABELS, EXPERT_SUBFOLDERS, strict=True))
-ADALN_IMPLS = ("reference", "fused")
 
 
 def expert_names(variant: WanVariant) -> tuple[str, ...]:

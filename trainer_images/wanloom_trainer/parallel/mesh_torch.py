@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from wanloom_api.trainingjob import REMAT_POLICIES
 from wanloom_trainer.config.train_config import ParallelConfig
 
 TORCH_MESH_AXES = ("data", "fsdp", "ring", "ulysses")
-REMAT_POLICIES = ("none", "full", "save-matmuls", "save-attention")
 
 _aten = torch.ops.aten
 # Attention-core ops F.scaled_dot_product_attention dispatches to (GPU kernels, and the CPU flash kernel).

@@ -39,7 +39,6 @@ from wanloom_trainer.train.packing import PackedRows
 from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
 
 # TrainingJob remat names → the model's jax.checkpoint policies (model.wan_jax.REMAT_POLICIES).
-REMAT = {"none": "none", "full": "full", "save-matmuls": "dots", "save-attention": "save_attn"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ class JaxBackend:
             "compute_dtype": DTYPES[m.compute_dtype],
             "adaln_impl": m.adaln,
             "attention_impl": "xla",  # replaced below by the mesh-aware wrapper around the configured core
-            "remat": REMAT[m.remat],
+            "remat": m.remat,
         }
 
     def _with_mesh_attention(self, model: nnx.Module) -> nnx.Module:
