@@ -32,7 +32,7 @@ def _record(**overrides: object) -> StepRecord:
         model_flops=3.0e15,
         num_devices=4,
         accelerator="h100",
-        loss={0: 0.42, 1: 0.17},
+        expert_loss={0: 0.42, 1: 0.17},
         grad_norm={0: 1.5, 1: 0.9},
         learning_rate={0: 1e-4, 1: 2e-4},
         expert_samples={0: 3, 1: 5},
@@ -129,7 +129,7 @@ def test_single_process_run_uses_its_own_step_time() -> None:
 def test_expert_series_use_expert_labels_and_count_updates() -> None:
     m = _metrics(0)
     m.record_step(_record())
-    m.record_step(_record(step=8, expert_samples={0: 4, 1: 0}, loss={0: 0.4}))
+    m.record_step(_record(step=8, expert_samples={0: 4, 1: 0}, expert_loss={0: 0.4}))
     high, low = expert_label(0), expert_label(1)
     assert (high, low) == ("high_noise", "low_noise")
     assert _value(m, "wanloom_loss", expert=high) == pytest.approx(0.4)
@@ -150,7 +150,7 @@ def test_expert_with_no_samples_yet_is_exported_as_zero() -> None:
 
 def test_unknown_expert_id_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"expert id 2 has no label; valid ids: 0..1"):
-        _metrics(0).record_step(_record(loss={2: 0.1}))
+        _metrics(0).record_step(_record(expert_loss={2: 0.1}))
 
 
 def test_checkpoint_and_loader_metrics() -> None:

@@ -62,6 +62,14 @@ def test_fused_adaln_matches_diffusers_forward_and_every_gradient(tiny, per_toke
         assert _relative(q.grad, p.grad) < GRAD_TOL, name
 
 
+def test_the_installed_diffusers_is_the_release_the_fused_forwards_follow() -> None:
+    import diffusers
+
+    from wanloom_trainer.model.wan_torch import DIFFUSERS_FORWARDS
+
+    assert diffusers.__version__.startswith(DIFFUSERS_FORWARDS + "."), diffusers.__version__
+
+
 def test_fused_patch_runs_the_kernel_in_all_three_places(tiny, monkeypatch) -> None:
     from wanloom_trainer.model import wan_torch
 

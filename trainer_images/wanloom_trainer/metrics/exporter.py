@@ -59,7 +59,7 @@ class StepRecord:
     model_flops: float  # useful model FLOPs of this step, all ranks (wanloom_trainer.flops)
     num_devices: int  # devices the step ran on, in the unit of `accelerator`'s peak
     accelerator: str  # key of wanloom_trainer.flops.ACCELERATORS
-    loss: dict[int, float]
+    expert_loss: dict[int, float]  # per expert id, as StepLog.expert_loss
     grad_norm: dict[int, float]
     learning_rate: dict[int, float]
     expert_samples: dict[int, int]
@@ -208,7 +208,7 @@ class TrainerMetrics:
 
     def _record_experts(self, record: StepRecord) -> None:
         for name, values in (
-            (Metric.LOSS, record.loss),
+            (Metric.LOSS, record.expert_loss),
             (Metric.GRAD_NORM, record.grad_norm),
             (Metric.LEARNING_RATE, record.learning_rate),
         ):

@@ -6,7 +6,9 @@ a low-noise expert (``transformer_2/``, routing expert 1); the dense TI2V-5B has
 ``use_fused_adaln`` routes the model's three norm-and-modulate chains (``norm1`` before self-attention, ``norm3``
 before the FFN, ``norm_out`` before ``proj_out``) through the fused Triton AdaLN kernel by swapping the classes of
 the block and model instances for subclasses whose ``forward`` differs from diffusers' only in those lines.
-Parameters, buffers and state-dict keys are untouched, so checkpoints and FSDP sharding are unaffected.
+Parameters, buffers and state-dict keys are untouched, so checkpoints and FSDP sharding are unaffected. The two
+forwards follow ``transformer_wan.py`` of diffusers ``DIFFUSERS_FORWARDS`` (pyproject bounds the dependency to that
+minor release; the parity tests compare them with diffusers' own forward).
 
 Read bottom-up: expert naming, building/loading, the fused block, the fused model, the patch function.
 """
@@ -28,6 +30,7 @@ from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS, WanVariant
 
 # Expert index (``wanloom_trainer.routing.HIGH_NOISE`` = 0, ``LOW_NOISE`` = 1) -> (name, diffusers subfolder).
 EXPERTS: tuple[tuple[str, str], ...] = tuple(zip(EXPERT_LABELS, EXPERT_SUBFOLDERS, strict=True))
+DIFFUSERS_FORWARDS = "0.42"  # the diffusers release whose Wan forwards the fused subclasses below follow
 
 
 def expert_names(variant: WanVariant) -> tuple[str, ...]:

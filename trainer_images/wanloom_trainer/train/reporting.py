@@ -117,7 +117,7 @@ class Reporter:
             model_flops=record.model_flops,
             num_devices=num_devices,
             accelerator=self.config.accelerator_type or self.config.accelerator,
-            loss=dict(record.expert_loss),
+            expert_loss=dict(record.expert_loss),
             grad_norm=dict(record.grad_norm),
             learning_rate=dict(record.learning_rate),
             expert_samples=dict(record.expert_samples),

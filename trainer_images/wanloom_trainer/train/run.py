@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode_model
 from wanloom_trainer.config.train_config import TrainConfig
@@ -35,6 +35,13 @@ from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_events, re
 from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
+
+if TYPE_CHECKING:
+    from wanloom_trainer.adaptiveload.plan import LocalPlan
+    from wanloom_trainer.adaptiveload.planner import Planner
+    from wanloom_trainer.data.prefetch import PlanPrefetcher
+    from wanloom_trainer.data.reader import LatentDataset
+    from wanloom_trainer.train.backend import StepOutputs
 
 log = logging.getLogger(__name__)
 LAYOUTS = {"jax": "spmd", "torch": "per-rank"}  # JAX runs one SPMD program; torch ranks run their own shapes
@@ -75,7 +82,7 @@ class StopRequest:
             signal.signal(signal.SIGTERM, previous)
 
 
-def predicted_busy(plan: Any) -> float:
+def predicted_busy(plan: LocalPlan) -> float:
     """The cost model's busy time of this process's ranks (``LocalPlan``): per slot its heaviest local micro-batch
     (the ranks of one process run together), plus the per-call overhead of every slot."""
     ranks = list(plan.ranks.values())
@@ -127,7 +134,7 @@ def open_data(
     backend: Backend,
     on_skip: Callable[..., Any] | None = None,
     on_outage: Callable[[float], Any] | None = None,
-) -> Any:
+) -> LatentDataset:
     """Process 0 generates the synthetic dataset if asked; every process then opens it. ``on_skip`` hears of every
     bad sample the loader skips, ``on_outage(seconds)`` of storage outages."""
     from wanloom_trainer.data import ensure_synthetic, open_dataset
@@ -168,8 +175,8 @@ class _Loop:
         self,
         config: TrainConfig,
         backend: Backend,
-        dataset: Any,
-        planner: Any,
+        dataset: LatentDataset,
+        planner: Planner,
         reporter: Reporter,
         result: RunResult,
         on_step: StepHook | None,
@@ -181,7 +188,7 @@ class _Loop:
         self.pending: tuple[int, float] | None = None  # (next_step, start) of a save not yet committed
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
-        self.prefetchers: list[Any] = []
+        self.prefetchers: list[PlanPrefetcher] = []
         self.prepare = step_rows(config)  # a loaded micro-batch → its rows (noise, weights, packing)
         al = config.adaptive_load
         self.refit = OnlineRefit(config.model.wan.name, al.cost_model)
@@ -191,7 +198,7 @@ class _Loop:
         self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
         self._last_step_end: float | None = None
 
-    def _plans(self, start: int) -> Iterator[Any]:
+    def _plans(self, start: int) -> Iterator[LocalPlan]:
         """This process's plans from ``start`` on, each with the cost model the schedule names for its step."""
         planner = self.planner
         for step in range(start, self.config.steps):
@@ -306,7 +313,7 @@ class _Loop:
             self.on_step(record)
         return self._checkpoint(state, plan.step + 1)
 
-    def _refit(self, plan: Any, out: Any) -> None:
+    def _refit(self, plan: LocalPlan, out: StepOutputs) -> None:
         """Add the step's slot timings; every ``refit_every`` steps refit (process 0), report, and — with
         spec.adaptiveLoad.refitEverySteps — plan with an accepted fit on every process from step + lag."""
         compiled = out.slot_compiled or (False,) * len(out.slot_seconds)
