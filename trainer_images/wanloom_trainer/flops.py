@@ -24,7 +24,7 @@ Outside the blocks (forward):
 Training FLOPs = 3 × forward (backward = 2 × forward). Recomputation from activation checkpointing is *not*
 counted: MFU measures useful model FLOPs, so remat lowers MFU rather than inflating it. Norms, RoPE, softmax and
 elementwise modulation are ignored (< 1%). Reference check: A14B at 720×1280×81 has 75,600 tokens and ≈19.6 PFLOP
-per training sample, ≈72% of it in QKᵀ/PV (docs of ``shared/reference/wan-model.md``).
+per training sample, ≈72% of it in QKᵀ/PV (``test_a14b_720p_reference`` in tests/trainer/test_flops.py).
 
 The VAE stride comes from the variant (8× spatial for A14B, 16× for TI2V-5B), never a hard-coded /8.
 """

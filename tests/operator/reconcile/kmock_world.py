@@ -2,7 +2,7 @@
 running against it in a background thread (its own event loop; kmock serves from pytest's loop, so tests are async
 and wait with ``eventually``, never with time.sleep).
 
-kmock gaps handled here (docs: shared/reference/environment.md): custom resources are declared by hand; Events
+kmock gaps handled here (found against kmock 0.8): custom resources are declared by hand; Events
 (all named None, kopf uses generateName) are collected and not stored, else the second one would conflict; watches
 replay existing objects (tests act once the operator's watches are open); there is no uid (TrainingJobs get one) and
 no resourceVersion (VersionedEmulator adds them, with the preconditions kopf's finalizer patches and the

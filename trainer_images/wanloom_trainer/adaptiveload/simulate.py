@@ -1,7 +1,7 @@
 """A synthetic mixed image/video dataset and a step simulator for comparing planning policies.
 
-The dataset follows the published statistics of public corpora (``shared/reference/adaptiveload.md``); none of
-them ships per-clip metadata in a package here, so the shape distribution is built from these assumptions:
+The dataset follows the published statistics of public corpora (the Panda-70M, WebVid-10M and OpenVid-1M papers);
+none of them ships per-clip metadata in a package here, so the shape distribution is built from these assumptions:
 
 - **images vs clips**: 30% still images (WebDataset-style image shards), 70% clips (Koala-36M/Panda-70M-style);
   the AdaptiveLoad paper mixes WebDataset and Koala-36M without giving the ratio.
