@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -16,30 +16,31 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wanloom_api.metrics import TRAINER_METRICS
 from wanloom_trainer import flops
-from wanloom_trainer.metrics import StepRecord, TrainerMetrics, expert_label
+from wanloom_trainer.metrics import StepLog, StepRecord, TrainerMetrics, expert_label
 
 JOB = "tiny-test"
 
 
+LOG = StepLog(step=6, loss=0.59, expert_loss={0: 0.42, 1: 0.17}, expert_samples={0: 3, 1: 5},
+              grad_norm={0: 1.5, 1: 0.9}, learning_rate={0: 1e-4, 1: 2e-4}, step_time_s=0.5, data_wait_s=0.0,
+              tokens=4096, model_flops=3.0e15, mfu=None)  # fmt: skip
+RECORD = StepRecord(
+    log=LOG,
+    total_steps=100,
+    num_devices=4,
+    accelerator="h100",
+    rank_step_times_s=[0.5, 0.4, 0.6, 0.5],
+    rank_predicted_costs=[1.0, 1.1, 0.9, 1.0],
+    rank_busy_s=[0.40, 0.30, 0.55, 0.35],
+    rank_predicted_busy_s=[0.38, 0.33, 0.50, 0.36],
+)
+
+
 def _record(**overrides: object) -> StepRecord:
-    base = StepRecord(
-        step=7,
-        total_steps=100,
-        step_time_s=0.5,
-        rank_step_times_s=[0.5, 0.4, 0.6, 0.5],
-        rank_predicted_costs=[1.0, 1.1, 0.9, 1.0],
-        tokens=4096,
-        model_flops=3.0e15,
-        num_devices=4,
-        accelerator="h100",
-        expert_loss={0: 0.42, 1: 0.17},
-        grad_norm={0: 1.5, 1: 0.9},
-        learning_rate={0: 1e-4, 1: 2e-4},
-        expert_samples={0: 3, 1: 5},
-        rank_busy_s=[0.40, 0.30, 0.55, 0.35],
-        rank_predicted_busy_s=[0.38, 0.33, 0.50, 0.36],
-    )
-    return replace(base, **overrides)
+    """RECORD with fields of either the step's log or the record replaced."""
+    own = {f.name for f in fields(StepLog)}
+    log = replace(LOG, **{k: v for k, v in overrides.items() if k in own})
+    return replace(RECORD, log=log, **{k: v for k, v in overrides.items() if k not in own})
 
 
 def _metrics(rank: int = 0) -> TrainerMetrics:
@@ -129,7 +130,7 @@ def test_single_process_run_uses_its_own_step_time() -> None:
 def test_expert_series_use_expert_labels_and_count_updates() -> None:
     m = _metrics(0)
     m.record_step(_record())
-    m.record_step(_record(step=8, expert_samples={0: 4, 1: 0}, expert_loss={0: 0.4}))
+    m.record_step(_record(step=7, expert_samples={0: 4, 1: 0}, expert_loss={0: 0.4}))
     high, low = expert_label(0), expert_label(1)
     assert (high, low) == ("high_noise", "low_noise")
     assert _value(m, "wanloom_loss", expert=high) == pytest.approx(0.4)
@@ -189,7 +190,7 @@ def test_unknown_accelerator_skips_mfu_and_warns_once(caplog: pytest.LogCaptureF
     ids=lambda x: str(x),
 )
 def test_bad_step_record_names_the_field(overrides: dict[str, object], field: str) -> None:
-    with pytest.raises(ValueError, match=rf"StepRecord\.{field}"):
+    with pytest.raises(ValueError, match=rf"Step(Record|Log)\.{field} must be"):
         _record(**overrides)
 
 
@@ -269,7 +270,7 @@ def test_expert_shares_expected_and_so_far() -> None:
     m = _metrics(0)
     m.record_expected_shares((0.4167, 0.5833))
     m.record_step(_record(expert_samples={0: 3, 1: 5}))
-    m.record_step(_record(step=8, expert_samples={0: 1, 1: 3}))
+    m.record_step(_record(step=7, expert_samples={0: 1, 1: 3}))
     assert _value(m, "wanloom_expert_expected_share_ratio", expert="high_noise") == pytest.approx(0.4167)
     assert _value(m, "wanloom_expert_expected_share_ratio", expert="low_noise") == pytest.approx(0.5833)
     assert _value(m, "wanloom_expert_sample_share_ratio", expert="high_noise") == pytest.approx(4 / 12)

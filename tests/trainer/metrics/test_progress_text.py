@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wanloom_trainer.train.loss_log import StepLog
+from wanloom_trainer.metrics.records import StepLog
 from wanloom_trainer.train.reporting import _si, progress_text
 
 

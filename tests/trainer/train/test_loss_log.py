@@ -6,7 +6,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from wanloom_trainer.train.loss_log import LossLog, RunEvent, StepLog, loss_figure, read_events, read_log
+from wanloom_trainer.metrics.records import StepLog
+from wanloom_trainer.train.loss_log import LossLog, RunEvent, loss_figure, read_events, read_log
 
 
 def _record(step: int, lr: float = 1e-4) -> StepLog:

@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
-import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
@@ -38,48 +36,9 @@ from wanloom_api.metrics import (
 from wanloom_trainer import flops
 from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation, straggler_overhead
 from wanloom_trainer.metrics.collectors import build_collectors
+from wanloom_trainer.metrics.records import StepRecord, per_rank
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one optimizer step reports. Cross-rank fields are filled on rank 0 only (None elsewhere).
-
-    Expert-keyed dicts use routing's expert ids (0 = high noise, 1 = low noise; a single-model variant uses 0).
-    An expert counts as updated by this step when ``expert_samples[id] > 0``.
-    """
-
-    step: int
-    total_steps: int
-    step_time_s: float  # this rank's wall time of the step
-    rank_step_times_s: list[float] | None  # measured wall time of every rank, shape (ranks,); rank 0 only
-    rank_predicted_costs: list[float] | None  # AdaptiveLoad's predicted load of every rank, shape (ranks,)
-    tokens: int  # transformer tokens trained this step, all ranks
-    model_flops: float  # useful model FLOPs of this step, all ranks (wanloom_trainer.flops)
-    num_devices: int  # devices the step ran on, in the unit of `accelerator`'s peak
-    accelerator: str  # key of wanloom_trainer.flops.ACCELERATORS
-    expert_loss: dict[int, float]  # per expert id, as StepLog.expert_loss
-    grad_norm: dict[int, float]
-    learning_rate: dict[int, float]
-    expert_samples: dict[int, int]
-    rank_busy_s: list[float] | None = None  # every process's measured busy time (rank 0 only), shape (processes,)
-    rank_predicted_busy_s: list[float] | None = None  # the cost model's prediction of the same
-
-    def __post_init__(self) -> None:
-        _require(self.step >= 0, f"StepRecord.step must be >= 0, got {self.step}")
-        _require(self.total_steps >= 1, f"StepRecord.total_steps must be >= 1, got {self.total_steps}")
-        _require(_positive(self.step_time_s), f"StepRecord.step_time_s must be > 0, got {self.step_time_s}")
-        _require(self.tokens >= 0, f"StepRecord.tokens must be >= 0, got {self.tokens}")
-        _require(self.model_flops >= 0, f"StepRecord.model_flops must be >= 0, got {self.model_flops}")
-        _require(self.num_devices >= 1, f"StepRecord.num_devices must be >= 1, got {self.num_devices}")
-        bad = {e: n for e, n in self.expert_samples.items() if n < 0}
-        _require(not bad, f"StepRecord.expert_samples must be >= 0, got {bad}")
-
-    @property
-    def wall_time_s(self) -> float:
-        """The global step's wall time: the slowest rank when known (steps are synchronous), else this rank's."""
-        return max(self.rank_step_times_s) if self.rank_step_times_s else self.step_time_s
 
 
 class TrainerMetrics:
@@ -124,10 +83,10 @@ class TrainerMetrics:
 
     def record_step(self, record: StepRecord) -> None:
         """Observe this rank's step time; on rank 0 also set progress, balance, throughput and expert metrics."""
-        self._metric(Metric.STEP_TIME_SECONDS).labels(self.trainingjob, str(self.rank)).observe(record.step_time_s)
+        self._metric(Metric.STEP_TIME_SECONDS).labels(self.trainingjob, str(self.rank)).observe(record.log.step_time_s)
         if self.rank != 0:
             return
-        self._metric(Metric.STEP).labels(self.trainingjob).set(record.step)
+        self._metric(Metric.STEP).labels(self.trainingjob).set(record.completed_steps)
         self._metric(Metric.TOTAL_STEPS).labels(self.trainingjob).set(record.total_steps)
         self._record_balance(record)
         self._record_throughput(record)
@@ -178,9 +137,7 @@ class TrainerMetrics:
 
     def _record_balance(self, record: StepRecord) -> None:
         fields = ("rank_step_times_s", "rank_busy_s", "rank_predicted_busy_s")
-        times, busy, predicted = (
-            _per_rank(v, f"StepRecord.{f}") if (v := getattr(record, f)) else None for f in fields
-        )
+        times, busy, predicted = (per_rank(v, f"StepRecord.{f}") if (v := getattr(record, f)) else None for f in fields)
         # Busy times leave out the gradient synchronisation, where every rank waits for the slowest.
         measured = busy if busy is not None else times
         if measured is not None:
@@ -190,14 +147,14 @@ class TrainerMetrics:
             for rank, value in enumerate(values if values is not None else ()):
                 self._metric(name).labels(self.trainingjob, str(rank)).set(value)
         if record.rank_predicted_costs:
-            costs = _per_rank(record.rank_predicted_costs, "StepRecord.rank_predicted_costs")
+            costs = per_rank(record.rank_predicted_costs, "StepRecord.rank_predicted_costs")
             self._metric(Metric.COMPUTE_LOAD_CV).labels(self.trainingjob).set(coefficient_of_variation(costs))
 
     def _record_throughput(self, record: StepRecord) -> None:
         wall = record.wall_time_s
-        self._metric(Metric.TOKENS_PER_SECOND).labels(self.trainingjob).set(record.tokens / wall)
+        self._metric(Metric.TOKENS_PER_SECOND).labels(self.trainingjob).set(record.log.tokens / wall)
         try:
-            ratio = flops.mfu(record.model_flops, wall, record.num_devices, record.accelerator)
+            ratio = flops.mfu(record.log.model_flops, wall, record.num_devices, record.accelerator)
         except ValueError as err:
             # An accelerator without a known peak must not stop training: MFU stays unset and we say why once.
             if record.accelerator not in self._unknown_accelerators:
@@ -208,13 +165,13 @@ class TrainerMetrics:
 
     def _record_experts(self, record: StepRecord) -> None:
         for name, values in (
-            (Metric.LOSS, record.expert_loss),
-            (Metric.GRAD_NORM, record.grad_norm),
-            (Metric.LEARNING_RATE, record.learning_rate),
+            (Metric.LOSS, record.log.expert_loss),
+            (Metric.GRAD_NORM, record.log.grad_norm),
+            (Metric.LEARNING_RATE, record.log.learning_rate),
         ):
             for expert, value in values.items():
                 self._metric(name).labels(self.trainingjob, expert_label(expert)).set(value)
-        for expert, n in record.expert_samples.items():
+        for expert, n in record.log.expert_samples.items():
             label = expert_label(expert)
             # .labels() alone creates the series at 0, so rate() sees an expert's first samples too.
             samples = self._metric(Metric.EXPERT_SAMPLES_TOTAL).labels(self.trainingjob, label)
@@ -258,18 +215,6 @@ def _process_registry() -> CollectorRegistry:
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     return registry
-
-
-def _per_rank(values: list[float], what: str) -> np.ndarray:
-    """One finite, non-negative value per rank, shape (ranks,)."""
-    out = np.asarray(values, dtype=np.float64)
-    if out.ndim != 1 or not np.all(np.isfinite(out)) or np.any(out < 0):
-        raise ValueError(f"{what} must be one finite value >= 0 per rank, got {values[:8]}")
-    return out
-
-
-def _positive(x: float) -> bool:
-    return math.isfinite(x) and x > 0
 
 
 def _require(ok: bool, message: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,48 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from wanloom_api.metrics import EXPERT_LABELS
-
-_PER_EXPERT = ("expert_loss", "expert_samples", "grad_norm", "learning_rate")
-
-
-@dataclass(frozen=True)
-class StepLog:
-    """What one step reports to the log, the progress bar and hooks (per-expert dicts keyed by expert id)."""
-
-    step: int
-    loss: float
-    expert_loss: dict[int, float]
-    expert_samples: dict[int, int]
-    grad_norm: dict[int, float]
-    learning_rate: dict[int, float]
-    step_time_s: float
-    data_wait_s: float
-    tokens: int
-    model_flops: float
-    mfu: float | None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
-
-    @property
-    def tflops_per_s(self) -> float:
-        return self.model_flops / self.step_time_s / 1e12 if self.step_time_s > 0 else 0.0
-
-    def to_json(self) -> str:
-        """Experts by the names the metrics use (``high_noise``, ``low_noise``), not by routing's ids."""
-        doc = asdict(self)
-        for key in _PER_EXPERT:
-            doc[key] = {EXPERT_LABELS[k]: v for k, v in doc[key].items()}
-        return json.dumps(doc, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, line: str) -> StepLog:
-        doc = json.loads(line)
-        for key in _PER_EXPERT:
-            doc[key] = {EXPERT_LABELS.index(k): v for k, v in doc[key].items()}
-        return cls(**doc)
+from wanloom_trainer.metrics.records import StepLog
 
 
 @dataclass(frozen=True)

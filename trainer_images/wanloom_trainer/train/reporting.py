@@ -14,8 +14,9 @@ from typing import Any
 
 from wanloom_trainer import flops
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.metrics.records import StepLog, StepRecord
 from wanloom_trainer.train.backend import StepOutputs
-from wanloom_trainer.train.loss_log import LossLog, StepLog
+from wanloom_trainer.train.loss_log import LossLog
 
 log = logging.getLogger(__name__)
 _SHORT = {0: "hi", 1: "lo"}
@@ -101,26 +102,17 @@ class Reporter:
         if self.log is not None:
             self.log.close()
 
-    def _prometheus_record(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> Any:
-        from wanloom_trainer.metrics import StepRecord
-
+    def _prometheus_record(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> StepRecord:
         times, busy, predicted = (every[:, i].tolist() if self.primary else None for i in range(3))
         return StepRecord(
-            step=record.step + 1,  # completed steps, like the checkpoint step: the progress panel reaches 100%
+            log=record,
             total_steps=self.config.steps,
-            step_time_s=record.step_time_s,
-            rank_step_times_s=times,
-            rank_busy_s=busy,
-            rank_predicted_busy_s=predicted,
-            rank_predicted_costs=[float(c) for c in plan.rank_costs] if self.primary else None,
-            tokens=record.tokens,
-            model_flops=record.model_flops,
             num_devices=num_devices,
             accelerator=self.config.accelerator_type or self.config.accelerator,
-            expert_loss=dict(record.expert_loss),
-            grad_norm=dict(record.grad_norm),
-            learning_rate=dict(record.learning_rate),
-            expert_samples=dict(record.expert_samples),
+            rank_step_times_s=times,
+            rank_predicted_costs=[float(c) for c in plan.rank_costs] if self.primary else None,
+            rank_busy_s=busy,
+            rank_predicted_busy_s=predicted,
         )
 
 

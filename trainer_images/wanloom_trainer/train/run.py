@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode_model
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.metrics.records import StepLog
 from wanloom_trainer.train.backend import Backend, StepInputs
 from wanloom_trainer.train.inputs import make_planner, renormalised, step_rows, step_slots
-from wanloom_trainer.train.loss_log import StepLog, plot_losses, read_events, read_log
+from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log
 from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
