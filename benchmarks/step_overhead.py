@@ -13,6 +13,15 @@ Breakdown of the trainer's step (medians): ``backend`` (``train_step``: host→d
 the optimizer), ``data_wait`` (waiting for prefetched rows), ``driver`` (the rest: routing the rows into slots,
 metrics, the step log, the per-step collectives, checkpoint bookkeeping).
 
+The loader (``loader``): the trainer's path (``PlanPrefetcher`` at the job's prefetch depth, one sample per
+micro-batch: byte-range read, CRC-32, ``.npy`` parsing, shape and finiteness checks, float32 rows) against plain
+``webdataset`` iterating the very same shards and decoding the same arrays, interleaved, samples/s.
+
+XLA's CPU fast-compile flags (``compile``, with ``--compile``): the tiny job run by ``wanloom run`` with the flags
+and with XLA's defaults, each from an empty compilation cache; compile cost = the steps' total time − steps ×
+median step, and the crossover run length (steps) beyond which the defaults win
+(``distributed_jax.FAST_COMPILE_MAX_STEPS``).
+
 Usage (``--json`` prints one object; writes benchmarks/results/step_overhead.json):
 
     PYTHONPATH=operator:trainer_images:tests/trainer/train/scripts .venv/bin/python benchmarks/step_overhead.py
@@ -22,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -191,6 +203,96 @@ def minimal_jax(config: Any, recorded: list[Any]) -> float:
 MINIMAL = {"torch": minimal_torch, "jax": minimal_jax}
 
 
+# -- the loader against plain webdataset -------------------------------------------------------------------------
+
+
+def loader_compare(rounds: int) -> dict[str, Any]:
+    import webdataset as wds
+
+    from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
+    from wanloom_trainer.data import ensure_synthetic, open_dataset
+    from wanloom_trainer.data.prefetch import PlanPrefetcher
+
+    with tempfile.TemporaryDirectory() as workdir:
+        config = tiny_config(workdir)
+        ensure_synthetic(config.data, config.model.wan, progress=False)
+        dataset = open_dataset(config.data.uri, config.data.index, max_bad_samples=0)
+        n, shapes = dataset.num_samples, dataset.latent_shapes
+        shards = [dataset.storage.join(s) for s in dataset.index.shards]
+        plans = [
+            StepPlan(i, (RankPlan((MicroBatch((i,), tuple(int(v) for v in shapes[i]), 0, (1.0,), (1.0,)),), 0.0),), 1)
+            for i in range(n)
+        ]
+
+        def ours() -> float:
+            start = time.perf_counter()
+            with PlanPrefetcher(dataset, plans, rank=0, depth=config.data.prefetch) as prefetcher:
+                rows = sum(mb.batch.size for step in prefetcher for mb in step)
+            assert rows == n
+            return n / (time.perf_counter() - start)
+
+        def plain() -> float:
+            start = time.perf_counter()
+            rows = 0
+            for sample in wds.WebDataset(shards, shardshuffle=False, empty_check=False).decode():
+                for key in ("latents.npy", "text.npy"):
+                    np.asarray(sample[key], dtype=np.float32)
+                rows += 1
+            assert rows == n
+            return n / (time.perf_counter() - start)
+
+        ours(), plain()  # warm the page cache and imports
+        pairs = [(ours(), plain()) for _ in range(rounds)]
+        dataset.close()
+    ratios = [a / b for a, b in pairs]
+    return {
+        "ratio_vs_webdataset": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "loader_samples_per_s": statistics.median(a for a, _ in pairs),
+        "webdataset_samples_per_s": statistics.median(b for _, b in pairs),
+        "samples": n,
+        "rounds": rounds,
+    }
+
+
+# -- XLA's fast-compile flags against its defaults ---------------------------------------------------------------
+
+XLA_SETTINGS = {
+    "fast-compile": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    "default": "--xla_backend_optimization_level=3 --xla_llvm_disable_expensive_passes=false",
+}
+
+
+def _cli_run(xla_flags: str, steps: int) -> tuple[float, float]:
+    """(total step time, median step time) of a fresh `wanloom run` of the tiny job, compiling from scratch."""
+    from wanloom_trainer.metrics.records import StepLog
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as workdir:
+        env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_COMPILATION_CACHE_DIR=str(Path(workdir) / "jax-cache"))
+        job = Path(workdir) / "job.yaml"
+        job.write_text((root / "jobs" / "tiny-local.yaml").read_text())
+        cli = [sys.executable, "-c", "from wanloom_cli import main; main()"]
+        subprocess.run([*cli, "run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress"],
+                       cwd=workdir, env=env, check=True, capture_output=True)  # fmt: skip
+        lines = (Path(workdir) / "runs" / "tiny-local" / "steps.jsonl").read_text().splitlines()
+        times = [StepLog.from_json(line).step_time_s for line in lines]
+    return sum(times), statistics.median(times)
+
+
+def compile_compare(steps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": steps}
+    for name, flags in XLA_SETTINGS.items():
+        total, step = _cli_run(flags, steps)
+        out[name] = {"step_s": step, "compile_s": total - steps * step}
+    fast, default = out["fast-compile"], out["default"]
+    saved_per_step = fast["step_s"] - default["step_s"]
+    extra_compile = default["compile_s"] - fast["compile_s"]
+    out["crossover_steps"] = extra_compile / saved_per_step if saved_per_step > 0 else None
+    return out
+
+
 def compare(backend: str, steps: int, rounds: int) -> dict[str, Any]:
     trainer, minimal = [], []
     for _ in range(rounds):
@@ -215,21 +317,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="torch,jax")
+    parser.add_argument("--loader-rounds", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also measure XLA's fast-compile flags (minutes)")
+    parser.add_argument("--compile-steps", type=int, default=100)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = {b: compare(b, args.steps, args.rounds) for b in args.backends.split(",")}
+    results: dict[str, Any] = {b: compare(b, args.steps, args.rounds) for b in args.backends.split(",") if b}
+    results["loader"] = loader_compare(args.loader_rounds)
+    if args.compile:
+        results["compile"] = compile_compare(args.compile_steps)
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(results, indent=1) + "\n")
     if args.json:
         print(json.dumps(results))
         return
-    for backend, r in results.items():
+    for backend in args.backends.split(","):
+        if not backend:
+            continue
+        r = results[backend]
         parts = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in r["breakdown_s"].items())
         spread = f"rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
         print(
             f"{backend}: trainer {r['trainer_step_s'] * 1e3:.1f} ms/step vs minimal loop "
             f"{r['minimal_step_s'] * 1e3:.1f} ms/step: {r['ratio']:.2f}x ({spread}); trainer: {parts}"
         )
+
+    loader = results["loader"]
+    print(
+        f"loader: {loader['loader_samples_per_s']:.0f} samples/s vs plain webdataset "
+        f"{loader['webdataset_samples_per_s']:.0f}: {loader['ratio_vs_webdataset']:.2f}x "
+        f"(rounds {loader['ratio_min']:.2f}-{loader['ratio_max']:.2f})"
+    )
+    if "compile" in results:
+        c = results["compile"]
+        for name in XLA_SETTINGS:
+            print(f"XLA {name}: compile {c[name]['compile_s']:.1f} s, step {c[name]['step_s'] * 1e3:.1f} ms")
+        print(f"the defaults win beyond {c['crossover_steps']} steps")
 
 
 if __name__ == "__main__":

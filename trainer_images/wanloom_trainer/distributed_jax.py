@@ -25,9 +25,13 @@ from wanloom_trainer.config.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# CPU jobs are local runs and smoke tests of small models, where XLA's compile time dominates: these halve the
-# compile time of a Wan step program for ~3x slower (millisecond) steps. A flag already in XLA_FLAGS wins.
+# CPU jobs are local runs and smoke tests of small models. These flags cut XLA's compile time of the step programs
+# and make every step slower, so they pay only for short runs: below FAST_COMPILE_MAX_STEPS steps (the tiny job's
+# crossover, measured by benchmarks/step_overhead.py --compile; docs/benchmarks.md). Longer runs keep XLA's
+# defaults, and local runs keep compiled programs in a persistent cache (train.launch.local_env), so a rerun
+# compiles nothing either way. A flag already in XLA_FLAGS wins.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+FAST_COMPILE_MAX_STEPS = 300
 
 
 def devices_per_process(config: TrainConfig) -> int:
@@ -46,7 +50,8 @@ def prepare_platform(config: TrainConfig, environ: MutableMapping[str, str] | No
     count = devices_per_process(config)
     environ["JAX_PLATFORMS"] = "cpu"
     flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\d+", "", environ.get("XLA_FLAGS", "")).split()
-    flags += [f for f in CPU_FAST_COMPILE_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
+    if config.steps < FAST_COMPILE_MAX_STEPS:
+        flags += [f for f in CPU_FAST_COMPILE_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
     environ["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={count}"])
     if "jax" in sys.modules and environ is os.environ:
         _check_already_imported(count)
