@@ -31,7 +31,7 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # defaults, and local runs keep compiled programs in a persistent cache (train.launch.local_env), so a rerun
 # compiles nothing either way. A flag already in XLA_FLAGS wins.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-FAST_COMPILE_MAX_STEPS = 300
+FAST_COMPILE_MAX_STEPS = 400
 
 
 def devices_per_process(config: TrainConfig) -> int:

@@ -12,7 +12,7 @@ from wanloom_trainer.adaptiveload.cost_model import PowerCost
 from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.config.variants import get_variant
-from wanloom_trainer.data.prefetch import PlanPrefetcher
+from wanloom_trainer.data.prefetch import PlanPrefetcher, default_workers
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.skips import TooManyBadSamples
 from wanloom_trainer.data.synth import write_synthetic
@@ -169,3 +169,8 @@ def test_bad_arguments() -> None:
         PlanPrefetcher(None, [], rank=0, depth=-1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rank"):
         PlanPrefetcher(None, [], rank=-1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 2), (64, 2)])
+def test_loading_threads_leave_the_training_loop_a_core(cpus: int, workers: int) -> None:
+    assert default_workers(cpus) == workers

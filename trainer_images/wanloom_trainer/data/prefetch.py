@@ -20,6 +20,7 @@ the first plan it gets is that step.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,15 @@ from typing import Any
 import numpy as np
 
 from wanloom_trainer.data.reader import LatentBatch, LatentDataset
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """Loading threads: the training loop keeps one core; loading is CPU work (decode, checks, row building), so
+    threads beyond the other cores only contend for them and the GIL. Two at most: remote reads overlap in the
+    dataset's own reader pool."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(2, cpus - 1))
+
 
 # Placeholder rows have no planned timestep; any valid t works because their loss weight is 0.
 _PLACEHOLDER_T = 0.0
@@ -121,7 +131,8 @@ class PlanPrefetcher:
         plans: StepPlan or LocalPlan objects in step order (e.g. ``planner.plan_local(s, ranks) for s in …``).
         rank: this process's data-parallel rank (index into ``plan.ranks``).
         depth: micro-batches kept loading ahead (``spec.data.prefetch``); 0 loads each when it is asked for.
-        workers: threads loading micro-batches (each load fans out over the dataset's own reader threads).
+        workers: threads loading micro-batches (default ``default_workers()``; each load fans out over the
+            dataset's own reader threads when storage is remote).
         prepare: run on each loaded micro-batch in its loading thread (the trainer builds its rows there: noise,
             loss weights, packing), so the training loop only picks them up; the result is ``.rows``.
     """
@@ -132,7 +143,7 @@ class PlanPrefetcher:
         plans: Iterable[Any],
         rank: int,
         depth: int = 4,
-        workers: int = 2,
+        workers: int | None = None,
         prepare: Callable[[LoadedMicroBatch], Any] | None = None,
     ):
         if rank < 0:
@@ -145,7 +156,9 @@ class PlanPrefetcher:
         self._work = self._work_items()
         self._unsubmitted: deque[tuple[int, int, Any]] = deque()  # pulled from the plans, not loading yet
         self._queue: deque[tuple[int, int, Future[LoadedMicroBatch]]] = deque()  # loading or loaded, in plan order
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="wanloom-prefetch")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, workers or default_workers()), thread_name_prefix="wanloom-prefetch"
+        )
         self._next_step: int | None = None
         self._expect_step: int | None = None
 
