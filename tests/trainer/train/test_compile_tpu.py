@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 DATA = Path(__file__).parent / "data"
 JOBS = Path(__file__).resolve().parents[3] / "jobs"
 
 
 def wanloom(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"} | {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     code = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -41,6 +42,19 @@ def test_compile_reports_memory_and_fails_when_the_step_does_not_fit() -> None:
     # peak = resident state of both experts + the slot's arguments beyond the expert's parameters + temporaries
     assert report["peak_bytes_per_device"] >= report["resident_bytes"] + step["temp_bytes"] > 0
     assert report["peak_bytes_per_device"] < 96 * 2**30  # fits the real tpu7x device by orders of magnitude
+
+
+@pytest.mark.slow
+def test_compile_uses_the_compiler_options_the_pods_get(tmp_path: Path) -> None:
+    """LIBTPU_INIT_ARGS in spec.resources.env reaches the compiler: an unknown flag there fails the compile."""
+    pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is part of the dev install")
+    job = yaml.safe_load((DATA / "tiny-tpu.yaml").read_text())
+    job["spec"]["resources"]["env"] = [{"name": "LIBTPU_INIT_ARGS", "value": "--xla_wanloom_test_unknown_flag=true"}]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    run = wanloom("compile", str(path), "--shape", "9x64x64")
+    assert run.returncode != 0
+    assert "xla_wanloom_test_unknown_flag" in run.stderr, run.stderr[-3000:]
 
 
 def test_compile_refuses_a_job_without_tpu_resources() -> None:

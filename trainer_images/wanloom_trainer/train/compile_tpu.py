@@ -34,6 +34,8 @@ from wanloom_trainer.config.train_config import TrainConfig
 # per chip), so one device addresses half the chip's HBM: 96 GiB. Seed 000 reports 94.7 GB usable.
 _TPU7X = ACCELERATOR_TYPES["tpu7x"]
 HBM_BYTES_PER_DEVICE = {"tpu7x": _TPU7X.hbm_bytes // _TPU7X.devices_per_chip}
+# Variables of spec.resources.env that change what libtpu compiles (read once, when libtpu loads).
+COMPILER_ENV = ("LIBTPU_INIT_ARGS",)
 # The shape a job is compiled at when it names no buckets: each variant's flagship training clip (pixels F×H×W).
 REFERENCE_PIXELS = {
     "wan2.2-t2v-a14b": (81, 720, 1280),
@@ -247,6 +249,7 @@ def compile_job(
     from wanloom_trainer.train.backend_jax import JaxBackend, pad_rows
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second JAX process here must not hold libtpu
+    use_compiler_env(job)
     topology, slices, devices = _tpu_devices(job)
     config = from_trainingjob(job, {})
     model = config.model
@@ -293,3 +296,11 @@ def compile_job(
         job.metadata.name, topology, slices, len(devices), mesh, config.model.remat, config.model.wan.num_layers,
         resident, capacity, programs,
     )  # fmt: skip
+
+
+def use_compiler_env(job: Any) -> None:
+    """Compile with the compiler options the job's pods get (``LIBTPU_INIT_ARGS`` in ``spec.resources.env``), unless
+    this process sets its own. Takes effect only before libtpu loads: ``wanloom compile`` runs in a fresh process."""
+    for var in job.spec.resources.env:
+        if var.name in COMPILER_ENV:
+            os.environ.setdefault(var.name, var.value)
