@@ -10,10 +10,10 @@ mark (``step`` N: after N steps), truncated the same way. Framework-free: both b
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -147,7 +147,3 @@ def _moving_average(values: list[float], window: int = 10) -> list[float]:
             total -= values[i - window]
         out.append(total / min(i + 1, window))
     return out
-
-
-def expert_names(d: Mapping[int, Any]) -> dict[str, Any]:
-    return {EXPERT_LABELS[k]: v for k, v in d.items()}
