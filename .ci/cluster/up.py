@@ -354,15 +354,15 @@ def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> N
 def _node_pools() -> list[tuple[str, int, dict[str, str], dict[str, str], str | None]]:
     """Fake node pools, labelled, tainted and sized as GKE provisions them (the operator's own machine table):
     (pool, nodes, labels, capacity, taint key)."""
-    from wanloom_api.topology import GKE_GPU_ACCELERATORS, MACHINES
+    from wanloom_api.topology import ACCELERATOR_TYPES
 
     def capacity(kind: str, resource: str) -> dict[str, str]:
-        m = MACHINES[kind]
+        m = ACCELERATOR_TYPES[kind].machine
         return {"cpu": str(m.vcpus), "memory": f"{m.memory_gb}G", resource: str(m.accelerators)}
 
     pools = [("cpu", 2, {}, {"cpu": "16", "memory": "64Gi"}, None)]
     for kind in ("h100", "h200"):
-        labels = {"cloud.google.com/gke-accelerator": GKE_GPU_ACCELERATORS[kind]}
+        labels = {"cloud.google.com/gke-accelerator": ACCELERATOR_TYPES[kind].gke_label}
         pools.append((kind, 2, labels, capacity(kind, "nvidia.com/gpu"), "nvidia.com/gpu"))
     for topology, hosts, count in (("2x2x1", 1, 2), ("4x4x4", 16, 2), ("4x8x8", 64, 1)):
         labels = {"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": topology}

@@ -1,0 +1,59 @@
+"""The control-plane script CI runs on a fresh machine (.ci/cluster/up.py), checked where no cluster is needed.
+
+A machine that already has a cluster up never reaches the node-pool code (up.py returns early), so a broken import
+there only shows on a fresh clone: these tests call it directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from wanloom_api.topology import ACCELERATOR_TYPES, tpu7x_slice
+from wanloom_api.validation import load_trainingjob_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def up() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ci_cluster_up", ROOT / ".ci" / "cluster" / "up.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fake_node_pools_are_sized_and_labelled_from_the_accelerator_table(up: ModuleType) -> None:
+    pools = {name: (count, labels, capacity, taint) for name, count, labels, capacity, taint in up._node_pools()}
+    for kind in ("h100", "h200"):
+        _, labels, capacity, taint = pools[kind]
+        accel = ACCELERATOR_TYPES[kind]
+        assert labels == {"cloud.google.com/gke-accelerator": accel.gke_label}
+        assert capacity["nvidia.com/gpu"] == str(accel.machine.accelerators)
+        assert taint == "nvidia.com/gpu"
+    tpu = [p for name, p in pools.items() if name.startswith("tpu7x-")]
+    assert tpu and all(
+        c["google.com/tpu"] == str(ACCELERATOR_TYPES["tpu7x"].machine.accelerators) for _, _, c, _ in tpu
+    )
+
+
+def test_every_shipped_job_has_enough_fake_nodes(up: ModuleType) -> None:
+    """The end-to-end test that schedules every shipped job needs a pool of each job's shape with enough nodes."""
+    pools = up._node_pools()
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        job = load_trainingjob_file(path)
+        res = job.spec.resources
+        if res.tpu is not None:
+            topology = res.tpu.topology
+            hosts = tpu7x_slice(topology).hosts
+            matching = [p for p in pools if p[2].get("cloud.google.com/gke-tpu-topology") == topology]
+            assert len(matching) >= res.tpu.slices, f"{path.name}: {res.tpu.slices} slices of {topology}"
+            assert all(p[1] >= hosts for p in matching), f"{path.name}: {hosts} hosts per {topology} slice"
+        elif res.gpu is not None:
+            label = ACCELERATOR_TYPES[res.gpu.type].gke_label
+            nodes = sum(p[1] for p in pools if p[2].get("cloud.google.com/gke-accelerator") == label)
+            assert nodes >= res.gpu.nodes, f"{path.name}: {res.gpu.nodes} {res.gpu.type} nodes, {nodes} fake"
