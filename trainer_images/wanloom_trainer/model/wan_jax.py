@@ -15,10 +15,12 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.kernels import ADALN_IMPLS
@@ -30,7 +32,7 @@ from wanloom_trainer.model.attention import (
     get_attention_fn,
 )
 from wanloom_trainer.model.embeddings import WanTimeTextEmbedding
-from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
+from wanloom_trainer.model.params import ShardingRule, ShardingSpec, param_name, sharding_for
 from wanloom_trainer.model.rope import rope_cos_sin, rope_cos_sin_at
 from wanloom_trainer.model.segment_attention import Segments
 
@@ -213,7 +215,7 @@ class WanTransformer3DModel(nnx.Module):
         compute_dtype: dtype of the residual stream and of the projections' matmuls.
         adaln_impl: "reference" (jnp) or "fused" (``wanloom_trainer.kernels.adaln_jax``) for norm1/norm3/norm_out.
         attention_impl: "xla" or "splash" core for self- and cross-attention (see ``set_attention_fn``).
-        remat: a key of ``REMAT_POLICIES``; wraps each block in ``nnx.remat`` with that policy.
+        remat: a key of ``REMAT_POLICIES``; each block runs under ``jax.checkpoint`` with that policy.
     """
 
     def __init__(
@@ -258,6 +260,7 @@ class WanTransformer3DModel(nnx.Module):
         self.proj_out = nnx.Linear(dim, out_features, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), FP32) / math.sqrt(dim))
         self.adaln_fn: Callable[..., jax.Array] | None = None  # a mesh-aware fused kernel (set_adaln_fn)
+        self.block_sharding: ShardingRule | None = None  # placement of one block's parameters (set_block_sharding)
 
     def set_attention_fn(
         self, self_attention: AttentionFn | None = None, cross_attention: AttentionFn | None = None
@@ -276,6 +279,15 @@ class WanTransformer3DModel(nnx.Module):
         for block in self.blocks:
             block.adaln_fn = adaln
 
+    def set_block_sharding(self, rule: ShardingRule) -> None:
+        """Place the blocks' parameters, stacked for the scan, as ``rule(name, abstract)`` places one block's
+        (``name`` relative to the block, e.g. ``attn1.to_q.kernel``); the layer axis stays whole.
+
+        Without it XLA chooses the stacked weights' layout itself and may gather every layer's FSDP shards before
+        the loop instead of one layer per iteration.
+        """
+        self.block_sharding = rule
+
     def _grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         if len(shape) != 5 or shape[1] != self.variant.in_channels:
             raise ValueError(
@@ -285,12 +297,45 @@ class WanTransformer3DModel(nnx.Module):
             raise ValueError(f"latent (T, H, W)={shape[2:]} must be divisible by patch_size {self.variant.patch_size}")
         return tuple(n // p for n, p in zip(shape[2:], self.variant.patch_size, strict=True))
 
-    def _block_runner(self) -> Callable[..., jax.Array]:
-        def run(block: WanTransformerBlock, *args: jax.Array) -> jax.Array:
-            return block(*args)
+    def _run_blocks(self, x_bsd: jax.Array, *args: object) -> jax.Array:
+        """Run the blocks as one ``lax.scan`` over their parameters stacked on a leading layer axis, each block
+        under the remat policy.
 
-        policy = REMAT_POLICIES[self.remat]
-        return run if self.remat == "none" else nnx.remat(run, policy=policy)
+        A scan compiles one block and reuses its buffers layer after layer. Unrolled, XLA schedules every layer's
+        all-gathers (FSDP weights, context-parallel K/V) across the whole program and keeps many alive at once:
+        on the example A14B job that grew the peak by gigabytes per layer even with full remat
+        (docs/benchmarks.md). Stacking happens inside the step, so checkpoints and the optimizer keep diffusers'
+        per-block layout; the cost is one copy of this device's shard of the block weights (and gradients).
+        """
+        graphdef = nnx.graphdef(self.blocks[0])
+        for i, b in enumerate(self.blocks):
+            if nnx.graphdef(b) != graphdef:
+                raise ValueError(
+                    f"block {i} differs from block 0 (attention or AdaLN function): the scan runs one "
+                    "block structure for every layer; set them through set_attention_fn/set_adaln_fn"
+                )
+        stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(nnx.state(b) for b in self.blocks))
+        if self.block_sharding is not None:
+            stacked = jax.tree_util.tree_map_with_path(self._keep_layer_sharding, stacked)
+
+        def block(x: jax.Array, state: nnx.State, *block_args: object) -> jax.Array:
+            return nnx.merge(graphdef, state)(x, *block_args)
+
+        if self.remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
+
+        def body(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+            return block(x, state, *args), None
+
+        return jax.lax.scan(body, x_bsd, stacked)[0]
+
+    def _keep_layer_sharding(self, path: tuple[Any, ...], stacked: jax.Array) -> jax.Array:
+        name = ".".join(str(part.key) for part in path if isinstance(part, jax.tree_util.DictKey))
+        sharding = self.block_sharding(name, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype))
+        if sharding is None:
+            return stacked
+        layer_axis = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        return jax.lax.with_sharding_constraint(stacked, layer_axis)
 
     def __call__(
         self, hidden_states_bcthw: jax.Array, timestep: jax.Array, encoder_hidden_states_bld: jax.Array
@@ -324,9 +369,7 @@ class WanTransformer3DModel(nnx.Module):
         context_bkd = context.astype(self.compute_dtype)
 
         # 3. Transformer blocks
-        run = self._block_runner()
-        for block in self.blocks:
-            x_bsd = run(block, x_bsd, context_bkd, timestep_proj, rope)
+        x_bsd = self._run_blocks(x_bsd, context_bkd, timestep_proj, rope)
 
         # 4. Output norm & projection
         out = self._output(x_bsd, temb)
@@ -406,9 +449,7 @@ class WanTransformer3DModel(nnx.Module):
         context_bkd = context.astype(self.compute_dtype)
 
         # 3. Transformer blocks
-        run = self._block_runner()
-        for block in self.blocks:
-            x_bsd = run(block, x_bsd, context_bkd, timestep_proj, rope, packing)
+        x_bsd = self._run_blocks(x_bsd, context_bkd, timestep_proj, rope, packing)
 
         # 4. Output norm & projection, per token patch
         return self._output(x_bsd, temb, packing.segment_ids).reshape(b, n, q, -1)

@@ -136,8 +136,9 @@ class JaxBackend:
             "remat": m.remat,
         }
 
-    def _with_mesh_attention(self, model: nnx.Module) -> nnx.Module:
-        """Single-device kernels (the attention core, the fused AdaLN) run per shard inside ``shard_map``."""
+    def _on_mesh(self, model: nnx.Module) -> nnx.Module:
+        """Single-device kernels (the attention core, the fused AdaLN) run per shard inside ``shard_map``; the
+        scanned blocks keep their parameters' placement."""
         from wanloom_trainer.model.attention import get_attention_fn
 
         core = get_attention_fn(self.config.model.attention)
@@ -149,6 +150,7 @@ class JaxBackend:
         )
         if self.config.model.adaln == "fused":
             model.set_adaln_fn(sharded_adaln(self.shardings, eps=self.config.model.wan.eps))
+        model.set_block_sharding(self.shardings.param)
         return model
 
     def _abstract_model(self) -> nnx.Module:
@@ -160,7 +162,7 @@ class JaxBackend:
         placed = nnx.from_flat_state(
             [(path, self._placed(path, var.get_value())) for path, var in nnx.to_flat_state(state)]
         )
-        return self._with_mesh_attention(nnx.merge(graphdef, placed))
+        return self._on_mesh(nnx.merge(graphdef, placed))
 
     def _placed(self, path: tuple[Any, ...], abstract: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         from wanloom_trainer.model.params import param_name
