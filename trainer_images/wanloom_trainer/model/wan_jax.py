@@ -302,11 +302,11 @@ class WanTransformer3DModel(nnx.Module):
         """Run the blocks as one ``lax.scan`` over their parameters stacked on a leading layer axis, each block
         under the remat policy.
 
-        A scan compiles one block and reuses its buffers layer after layer. Unrolled, XLA schedules every layer's
-        all-gathers (FSDP weights, context-parallel K/V) across the whole program and keeps many alive at once:
-        on the example A14B job that grew the peak by gigabytes per layer even with full remat
-        (docs/benchmarks.md). Stacking happens inside the step, so checkpoints and the optimizer keep diffusers'
-        per-block layout; the cost is one copy of this device's shard of the block weights (and gradients).
+        A scan compiles one block and reuses its buffers layer after layer. Unrolled, XLA scheduled the layers'
+        collectives across the whole program and kept many layers' context-parallel K/V gathers alive at once: on
+        the example A14B job the peak grew by gigabytes per layer even with full remat (docs/benchmarks.md).
+        Stacking happens inside the step, so checkpoints and the optimizer keep diffusers' per-block layout; the
+        cost is one copy of this device's shard of the block weights (and gradients).
         """
         graphdef = nnx.graphdef(self.blocks[0])
         for i, b in enumerate(self.blocks):
