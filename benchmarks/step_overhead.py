@@ -2,16 +2,20 @@
 
 The tiny two-expert job (`jobs/tiny-local.yaml`: same plans, shapes, routing, noise and optimizer) runs through
 ``wanloom_trainer.train.run`` with a recording wrapper around its backend, which keeps every step's inputs (the
-host arrays the backend receives) and times ``train_step``. The minimal loop then replays exactly those inputs with
-everything a hand-written loop needs and nothing else: the same model and loss functions, the same AdamW moments,
-one ``device_put`` per slot (JAX, parameters as a flat list across ``jit``) or plain tensors (PyTorch, no FSDP),
-no planning, loading, metrics or checkpoints. Rounds alternate (trainer, minimal, trainer, ...) so machine noise
-hits both; a step's time is the wall time between consecutive steps, and each round reports the median over its
-steps (compilation spikes are a few steps of many).
+host arrays the backend receives) and times ``train_step``. After each trainer step a minimal loop replays that
+step's inputs with everything a hand-written loop needs and nothing else: the same model and loss functions, the
+same AdamW moments, one ``device_put`` per slot (JAX, parameters as a flat list across ``jit``) or plain tensors
+(PyTorch, no FSDP), no planning, loading, metrics or checkpoints. Pairing each trainer step with a minimal step a
+moment later lets both see the same machine speed (it drifts by tens of percent within seconds on a shared
+host); the ratio is the median over steps of trainer step / minimal step (compilation spikes are a few steps of
+many). A trainer step is the wall time between its consecutive steps, less the minimal step in between.
 
-Breakdown of the trainer's step (medians): ``backend`` (``train_step``: host→device, the jitted/eager step and
-the optimizer), ``data_wait`` (waiting for prefetched rows), ``driver`` (the rest: routing the rows into slots,
-metrics, the step log, the per-step collectives, checkpoint bookkeeping).
+Breakdown of the trainer's step (medians): ``backend`` (``train_step``), split into ``slots`` (each slot's
+host→device, forward and backward, as the backend times them for the step-time metrics) and ``update`` (the rest of
+``train_step``: the optimizer, gradient clipping, the loss totals and, on several ranks, their collectives);
+``data_wait`` (receiving the step's plan and rows from the data process, where planning and loading run);
+``driver`` (the rest: routing the rows into slots, metrics, the step log, the per-step gather, checkpoint
+bookkeeping).
 
 The loader (``loader``): the trainer's path (``PlanPrefetcher`` at the job's prefetch depth, one sample per
 micro-batch: byte-range read, CRC-32, ``.npy`` parsing, shape and finiteness checks, float32 rows) against plain
@@ -36,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,12 +54,13 @@ OUT = Path(__file__).parent / "results" / "step_overhead.json"
 
 
 class Recording:
-    """The job's real backend, with each step's inputs kept and ``train_step`` timed."""
+    """The job's real backend, with ``train_step`` timed and each step's inputs kept for the minimal loop."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         self.inputs: list[Any] = []
         self.step_s: list[float] = []
+        self.slots_s: list[float] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -63,46 +69,94 @@ class Recording:
         started = time.perf_counter()
         out = self._backend.train_step(state, inputs)
         self.step_s.append(time.perf_counter() - started)
+        self.slots_s.append(out[1].busy_seconds)
         self.inputs.append(inputs)
         return out
 
 
-def trainer_round(backend_name: str, steps: int) -> dict[str, Any]:
+def _background_cpu_s() -> float:
+    """CPU seconds used so far by this process's other threads and by its child processes (the trainer's data
+    process), from Linux's per-thread schedstat (nanoseconds)."""
+    me, total, pids = threading.get_native_id(), 0, [os.getpid()]
+    while pids:
+        pid = pids.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                if pid == os.getpid() and int(task.name) == me:
+                    continue
+                total += int((task / "schedstat").read_text().split()[0])
+                pids.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):  # a thread or process that just ended
+            continue
+    return total / 1e9
+
+
+def _wait_for_background(quiet_s: float = 0.002, limit_s: float = 1.0) -> None:
+    """Until the trainer's background work (loading, planning, XLA's pool; in this process or its data process)
+    uses no CPU for ``quiet_s``: the minimal step must not share the machine with it, nor hide it (loading is
+    bounded by the prefetch depth, so a pause never lets the trainer's next step do less of it)."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        before = _background_cpu_s()
+        time.sleep(quiet_s)
+        if _background_cpu_s() - before < quiet_s / 20:
+            return
+
+
+def paired_round(backend_name: str, steps: int) -> dict[str, Any]:
+    """One trainer run with a minimal step after each of its steps, on that step's very inputs: each pair runs
+    within a tenth of a second, so the machine's speed (which drifts by tens of percent within seconds on a
+    shared host) is the same for both. The minimal step runs outside the trainer's step time."""
     with tempfile.TemporaryDirectory() as workdir:
         config = tiny_config(
             workdir, training={"steps": steps, "checkpoint": {"uri": None}}, resources={"backend": backend_name}
         )
         backend = Recording(make_backend(config))
-        stamps: list[float] = []
-        result = run(config, backend=backend, progress=False, on_step=lambda _: stamps.append(time.perf_counter()))
-    wall = np.diff(stamps)
-    data_wait = [r.data_wait_s for r in result.records[1:]]
-    step = backend.step_s[1:]
+        minimal_step = MINIMAL[backend_name](config)
+        trainer_s: list[float] = []
+        minimal_s: list[float] = []
+        resumed = [time.perf_counter()]
+
+        def on_step(_: Any) -> None:
+            trainer_s.append(time.perf_counter() - resumed[0])
+            _wait_for_background()
+            started = time.perf_counter()
+            minimal_step(backend.inputs[-1])
+            minimal_s.append(time.perf_counter() - started)
+            resumed[0] = time.perf_counter()
+
+        result = run(config, backend=backend, progress=False, on_step=on_step)
+    # The first step of each run compiles (JAX) or warms up; steps that compile a new shape are a few of many.
+    trainer, minimal = np.asarray(trainer_s[1:]), np.asarray(minimal_s[1:])
+    data_wait = np.asarray([r.data_wait_s for r in result.records[1:]])
+    step, slots = np.asarray(backend.step_s[1:]), np.asarray(backend.slots_s[1:])
     return {
-        "config": config,
-        "inputs": backend.inputs,
-        "wall_s": float(np.median(wall)),
-        "backend_s": float(np.median(step)),
-        "data_wait_s": float(np.median(data_wait)),
-        "driver_s": float(np.median(wall - np.asarray(step) - np.asarray(data_wait))),
+        "ratios": trainer / minimal,
+        "trainer_s": trainer,
+        "minimal_s": minimal,
+        "backend_s": step,
+        "slots_s": slots,
+        "update_s": step - slots,
+        "data_wait_s": data_wait,
+        "driver_s": trainer - step - data_wait,
     }
 
 
-# -- the minimal loops -------------------------------------------------------------------------------------------
+# -- the minimal loops: the same model, loss and optimizer, one step per call ------------------------------------
 
 
-def minimal_torch(config: Any, recorded: list[Any]) -> float:
+def minimal_torch(config: Any) -> Any:
     import torch
 
     from wanloom_trainer.model.wan_torch import build_expert
     from wanloom_trainer.train.backend_torch import expert_seed
     from wanloom_trainer.train.step_torch import flow_matching_loss, make_adamw, rows_to_tensors, update
 
-    torch.set_num_threads(1)  # what the trainer uses on CPU
     models = [build_expert(config.model.wan, seed=expert_seed(config.seed, e)) for e in range(2)]
     optimizers = [make_adamw(m.parameters(), config.optimizer) for m in models]
-    device, stamps = torch.device("cpu"), []
-    for inputs in recorded:
+    device = torch.device("cpu")
+
+    def step(inputs: Any) -> None:
         for slot in inputs.slots:
             batch = rows_to_tensors(slot.ranks[0], device)
             loss, _ = flow_matching_loss(models[slot.expert], **batch, compute_dtype=torch.float32)
@@ -110,8 +164,8 @@ def minimal_torch(config: Any, recorded: list[Any]) -> float:
         for e, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             if inputs.expert_samples[e]:
                 update(model, optimizer, inputs.learning_rates[e], config.optimizer.clip_grad_norm)
-        stamps.append(time.perf_counter())
-    return float(np.median(np.diff(stamps)))
+
+    return step
 
 
 def _host_batch(rows: Any) -> tuple[dict[str, np.ndarray], int]:
@@ -138,7 +192,7 @@ def _host_batch(rows: Any) -> tuple[dict[str, np.ndarray], int]:
     return arrays, max_segment
 
 
-def minimal_jax(config: Any, recorded: list[Any]) -> float:
+def minimal_jax(config: Any) -> Any:
     import functools
 
     import jax
@@ -180,8 +234,7 @@ def minimal_jax(config: Any, recorded: list[Any]) -> float:
         updates, state = tx.update(grads, state, leaves)
         return [p - lr * u for p, u in zip(leaves, updates, strict=True)], state, norm
 
-    stamps = []
-    for inputs in recorded:
+    def step(inputs: Any) -> None:
         grads: list[Any] = [None, None]
         losses = []
         for slot in inputs.slots:
@@ -196,8 +249,8 @@ def minimal_jax(config: Any, recorded: list[Any]) -> float:
                 experts[e], opt[e], _ = update(experts[e], opt[e], grads[e], jnp.float32(inputs.learning_rates[e]))
         float(sum(losses))  # the step's loss on the host, as any loop logs it
         jax.block_until_ready(experts)
-        stamps.append(time.perf_counter())
-    return float(np.median(np.diff(stamps)))
+
+    return step
 
 
 MINIMAL = {"torch": minimal_torch, "jax": minimal_jax}
@@ -307,19 +360,21 @@ def compile_compare(steps: int) -> dict[str, Any]:
 
 
 def compare(backend: str, steps: int, rounds: int) -> dict[str, Any]:
-    trainer, minimal = [], []
-    for _ in range(rounds):
-        t = trainer_round(backend, steps)
-        trainer.append(t)
-        minimal.append(MINIMAL[backend](t["config"], t["inputs"]))
-    ratios = [t["wall_s"] / m for t, m in zip(trainer, minimal, strict=True)]
+    paired = [paired_round(backend, steps) for _ in range(rounds)]
+    per_round = [float(np.median(p["ratios"])) for p in paired]
+
+    def median(key: str) -> float:
+        return float(np.median(np.concatenate([p[key] for p in paired])))
+
     return {
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "trainer_step_s": statistics.median(t["wall_s"] for t in trainer),
-        "minimal_step_s": statistics.median(minimal),
-        "breakdown_s": {k: statistics.median(t[k] for t in trainer) for k in ("backend_s", "data_wait_s", "driver_s")},
+        "ratio": median("ratios"),
+        "ratio_round_min": min(per_round),
+        "ratio_round_max": max(per_round),
+        "ratio_p25": float(np.percentile(np.concatenate([p["ratios"] for p in paired]), 25)),
+        "ratio_p75": float(np.percentile(np.concatenate([p["ratios"] for p in paired]), 75)),
+        "trainer_step_s": median("trainer_s"),
+        "minimal_step_s": median("minimal_s"),
+        "breakdown_s": {k: median(k) for k in ("backend_s", "slots_s", "update_s", "data_wait_s", "driver_s")},
         "rounds": rounds,
         "steps": steps,
     }
@@ -349,7 +404,10 @@ def main() -> None:
             continue
         r = results[backend]
         parts = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in r["breakdown_s"].items())
-        spread = f"rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        spread = (
+            f"steps p25-p75 {r['ratio_p25']:.2f}-{r['ratio_p75']:.2f}, "
+            f"rounds {r['ratio_round_min']:.2f}-{r['ratio_round_max']:.2f}"
+        )
         print(
             f"{backend}: trainer {r['trainer_step_s'] * 1e3:.1f} ms/step vs minimal loop "
             f"{r['minimal_step_s'] * 1e3:.1f} ms/step: {r['ratio']:.2f}x ({spread}); trainer: {parts}"

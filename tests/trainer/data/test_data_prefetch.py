@@ -117,12 +117,28 @@ def test_prefetch_runs_ahead_across_steps_and_handles_dummies(dataset: Path) -> 
             it = iter(pf)
             step0 = next(it)
             first = next(iter(step0))
-            assert len(pf._queue) == 3  # three more micro-batches already loading, reaching into step 2
-            assert [(s, i) for s, i, _ in pf._queue] == [(0, 1), (1, 0), (1, 1)]
+            # the rest of step 0 (the loop takes a step's micro-batches together) and three beyond it
+            assert [(s, i) for s, i, _ in pf._queue] == [(0, 1), (1, 0), (1, 1), (2, 0)]
+            next(it)  # step 1 handed out: still three beyond it
+            assert [(s, i) for s, i, _ in pf._queue] == [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]
             assert first.batch.valid.all()
             rest = [mb for step in it for mb in step]
         dummies = [mb for mb in rest if mb.micro_batch.is_dummy]
         assert dummies and all(not d.batch.valid.any() and d.weights.tolist() == [0.0] for d in dummies)
+
+
+def test_prefetch_loads_the_whole_next_step_beyond_a_small_depth(dataset: Path) -> None:
+    with open_dataset(str(dataset), max_bad_samples=0) as ds:
+        shape = tuple(int(v) for v in ds.latent_shapes[0])
+        plans = [_plan(s, *[_mb((s,), shape)] * 3) for s in range(3)]
+        with PlanPrefetcher(ds, plans, rank=0, depth=1) as pf:
+            it = iter(pf)
+            step0 = next(it)
+            assert [(s, i) for s, i, _ in pf._queue] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+            assert [mb.batch.sample_ids.tolist() for mb in step0] == [[0]] * 3
+            step1 = next(it)
+            assert [(s, i) for s, i, _ in pf._queue] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+            assert [mb.batch.sample_ids.tolist() for mb in step1] == [[1]] * 3
 
 
 def test_depth_zero_loads_on_demand(dataset: Path) -> None:

@@ -108,7 +108,7 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
     loop.config = SimpleNamespace(seed=0, model=SimpleNamespace(variant="tiny"), job_name="t",
                                   routing=SimpleNamespace(mode="per-sample", boundary_ratio=0.875))  # fmt: skip
     loop.backend, loop.reporter, loop.result = _AsyncSaves(), _Reports(), RunResult(0, 0)
-    loop.prefetchers, loop.pending = [], None
+    loop.data, loop.pending = None, None
     loop.schedule = CostSchedule(None, start=0, lag=None)
     loop.save(state=None, next_step=50)
     assert loop.reporter.checkpoints == [] and loop.result.checkpoints == []  # still being written

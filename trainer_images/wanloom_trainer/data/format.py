@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -138,7 +139,7 @@ def decode_tensor(data: bytes | memoryview, dtype: str) -> np.ndarray:
     try:
         stream = io.BytesIO(data)
         shape, fortran, stored = _read_npy_header(stream)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         arr = np.frombuffer(data, dtype=stored, count=count, offset=stream.tell())
     except (ValueError, EOFError, TypeError) as exc:
         raise CorruptSample(f"bad .npy member: {exc}") from exc

@@ -1,8 +1,8 @@
 """Loading the micro-batches of upcoming steps in the background, in plan order.
 
 ``PlanPrefetcher(dataset, plans, rank, depth)`` walks ``plans`` (``adaptiveload.StepPlan`` objects, step after
-step), keeps up to ``depth`` of this rank's micro-batches loading in worker threads, across step boundaries, and
-hands them out in order::
+step), loads the micro-batches of the step being consumed, of the next step, and more up to ``depth`` beyond
+the current step in worker threads, and hands them out in order::
 
     for step in prefetcher:                 # StepData, one per plan
         for mb in step:                     # LoadedMicroBatch, waits only if its load is still running
@@ -130,7 +130,9 @@ class PlanPrefetcher:
         dataset: the opened dataset.
         plans: StepPlan or LocalPlan objects in step order (e.g. ``planner.plan_local(s, ranks) for s in …``).
         rank: this process's data-parallel rank (index into ``plan.ranks``).
-        depth: micro-batches kept loading ahead (``spec.data.prefetch``); 0 loads each when it is asked for.
+        depth: micro-batches kept loading beyond the step being consumed (``spec.data.prefetch``), and never less
+            than the whole next step: the loop takes a step's micro-batches together, so one still unsubmitted
+            when its step begins is waited for; 0 loads each when it is asked for.
         workers: threads loading micro-batches (default ``default_workers()``; each load fans out over the
             dataset's own reader threads when storage is remote).
         prepare: run on each loaded micro-batch in its loading thread (the trainer builds its rows there: noise,
@@ -161,6 +163,7 @@ class PlanPrefetcher:
         )
         self._next_step: int | None = None
         self._expect_step: int | None = None
+        self._consuming: int | None = None  # the step last handed out
 
     def _work_items(self) -> Iterator[tuple[int, int, Any]]:
         for plan in self._plans:
@@ -203,8 +206,16 @@ class PlanPrefetcher:
         return self.dataset.load(mb.sample_ids, tuple(mb.latent_shape))
 
     def _top_up(self) -> None:
-        while len(self._queue) < self.depth and self._submit_one():
-            pass
+        """Submit the rest of the step being consumed, all of the next one, and more up to ``depth`` beyond."""
+        if self.depth == 0 or self._consuming is None:
+            return
+        ahead = sum(1 for step, _, _ in self._queue if step > self._consuming)
+        while self._unsubmitted or self._pull():
+            step = self._unsubmitted[0][0]
+            if step > self._consuming + 1 and ahead >= self.depth:
+                return
+            ahead += step > self._consuming
+            self._submit_one()
 
     def _take(self, step: int, i: int) -> LoadedMicroBatch:
         """The loaded micro-batch (step, i); micro-batches of steps the caller abandoned are discarded."""
@@ -225,12 +236,14 @@ class PlanPrefetcher:
 
     def __iter__(self) -> Iterator[StepData]:
         while True:
-            self._top_up()
             while not self._ready_plans and self._pull():
                 pass
             if not self._ready_plans:
                 return
-            yield StepData(self, self._ready_plans.popleft())
+            plan = self._ready_plans.popleft()
+            self._consuming = int(plan.step)
+            self._top_up()
+            yield StepData(self, plan)
 
     def state_dict(self) -> dict[str, Any]:
         """Position to resume from: the step after the last fully consumed one, plus the dataset's skip count."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -83,12 +83,12 @@ def loaded_rows(loaded: Any, *, seed: int, patch: tuple[int, int, int], **option
 
 
 def step_slots(
-    step_data: Sequence[Any], ranks: Sequence[int], *, num_experts: int, prepare: Callable[[Any], Any]
+    step_data: Sequence[Any], ranks: Sequence[int], *, num_experts: int
 ) -> tuple[list[Slot], tuple[int, ...]]:
-    """The step's slots from each local rank's ``data.StepData`` (same step, same number of micro-batches), and
-    the planned samples per expert these ranks could not load (skipped: their rows carry weight 0). ``prepare``
-    (``step_rows``) makes a loaded micro-batch's rows unless the prefetcher already did in its loading threads."""
-    per_rank = [list(sd) for sd in step_data]  # loads in plan order; waits only for rows still loading
+    """The step's slots from each local rank's micro-batches (``data_process.PreparedStep``: same step, same number
+    of micro-batches, rows built by ``step_rows``), and the planned samples per expert these ranks could not load
+    (skipped: their rows carry weight 0)."""
+    per_rank = [list(sd) for sd in step_data]
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
         raise ValueError(f"local ranks {list(ranks)} have different micro-batch counts {sorted(counts)}")
@@ -100,7 +100,7 @@ def step_slots(
         experts = {mb.expert for mb in loaded}
         if len(experts) != 1:
             raise ValueError(f"micro-batch slot {k} mixes experts {sorted(experts)} across ranks")
-        rows = {r: mb.rows if mb.rows is not None else prepare(mb) for r, mb in zip(ranks, loaded, strict=True)}
+        rows = {r: mb.rows for r, mb in zip(ranks, loaded, strict=True)}
         slots.append(Slot(expert=experts.pop(), ranks=rows))
     return slots, tuple(skipped)
 
@@ -119,7 +119,7 @@ def renormalised(slots: list[Slot], factor: float) -> list[Slot]:
 
 def step_rows(config: Any) -> Any:
     """The prefetcher's ``prepare``: a loaded micro-batch as rows (``loaded_rows`` with the run's settings), built in
-    the loading thread so the training loop does not generate noise or pack rows itself."""
+    the data process's loading threads so the training process does not generate noise or pack rows itself."""
     return functools.partial(
         loaded_rows,
         seed=config.seed,

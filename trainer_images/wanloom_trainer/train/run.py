@@ -16,7 +16,6 @@ resumed run replays exactly what the uninterrupted run would have done.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import signal
 import threading
@@ -31,22 +30,21 @@ from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.metrics.records import StepLog
 from wanloom_trainer.train.backend import Backend, StepInputs
-from wanloom_trainer.train.inputs import make_planner, renormalised, step_rows, step_slots
+from wanloom_trainer.train.data_process import PLAN_DEPTH, STEPS_AHEAD, DataProcess, Pipeline
+from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log
-from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
+from wanloom_trainer.train.plan_ahead import CostSchedule
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
 
 if TYPE_CHECKING:
     from wanloom_trainer.adaptiveload.plan import LocalPlan
     from wanloom_trainer.adaptiveload.planner import Planner
-    from wanloom_trainer.data.prefetch import PlanPrefetcher
     from wanloom_trainer.data.reader import LatentDataset
     from wanloom_trainer.train.backend import StepOutputs
 
 log = logging.getLogger(__name__)
 LAYOUTS = {"jax": "spmd", "torch": "per-rank"}  # JAX runs one SPMD program; torch ranks run their own shapes
-PLAN_DEPTH = 2  # plans made ahead of the loop (PlansAhead)
 REPORT_REFIT_EVERY = 50  # steps between report-only refits (spec.adaptiveLoad.refitEverySteps 0)
 StepHook = Callable[[StepLog], None]
 
@@ -112,7 +110,7 @@ def run(
         metrics = start_exporter(config, backend.process_index)  # first: the loader reports skipped samples
         stack.callback(metrics.close)
         metrics.record_expected_shares(config.routing.expected_shares())
-        dataset = open_data(config, backend, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage)
+        dataset = open_data(config, backend)  # 2. data
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
         for warning in planner.warnings if backend.process_index == 0 else ():
@@ -124,20 +122,15 @@ def run(
         stack.callback(reporter.close)
         result = RunResult(start_step=start, next_step=start)
         stop = stack.enter_context(StopRequest().installed())
-        loop = _Loop(config, backend, dataset, planner, reporter, result, on_step, stop)
+        loop = _Loop(config, backend, planner, reporter, result, on_step, stop)
         state = loop.run(state, start, meta)  # 5. loop
         finish(config, backend, result, reporter)  # 6. finish
     return result
 
 
-def open_data(
-    config: TrainConfig,
-    backend: Backend,
-    on_skip: Callable[..., Any] | None = None,
-    on_outage: Callable[[float], Any] | None = None,
-) -> LatentDataset:
-    """Process 0 generates the synthetic dataset if asked; every process then opens it. ``on_skip`` hears of every
-    bad sample the loader skips, ``on_outage(seconds)`` of storage outages."""
+def open_data(config: TrainConfig, backend: Backend) -> LatentDataset:
+    """Process 0 generates the synthetic dataset if asked; every process then opens it (the planner reads its
+    shapes here; the data process opens its own to load)."""
     from wanloom_trainer.data import ensure_synthetic, open_dataset
 
     if backend.process_index == 0:
@@ -147,9 +140,7 @@ def open_data(
         config.data.uri,
         config.data.index,
         max_bad_samples=config.data.max_bad_samples,
-        on_skip=on_skip,
         storage_outage_s=config.data.storage_outage_seconds,
-        on_outage=on_outage,
     )
 
 
@@ -176,65 +167,48 @@ class _Loop:
         self,
         config: TrainConfig,
         backend: Backend,
-        dataset: LatentDataset,
         planner: Planner,
         reporter: Reporter,
         result: RunResult,
         on_step: StepHook | None,
         stop: StopRequest | None = None,
     ) -> None:
-        self.config, self.backend, self.dataset, self.planner = config, backend, dataset, planner
+        self.config, self.backend, self.planner = config, backend, planner
         self.reporter, self.result, self.on_step = reporter, result, on_step
         self.stop = stop or StopRequest()
         self.pending: tuple[int, float] | None = None  # (next_step, start) of a save not yet committed
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
-        self.prefetchers: list[PlanPrefetcher] = []
-        self.prepare = step_rows(config)  # a loaded micro-batch → its rows (noise, weights, packing)
+        self.data: DataProcess | None = None
         al = config.adaptive_load
         self.refit = OnlineRefit(config.model.wan.name, al.cost_model)
         self.refit_every = al.refit_every_steps or REPORT_REFIT_EVERY
-        # A change decided after step j plans step j + lag on: beyond every plan already made or prefetched.
-        self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 if al.refit_every_steps else None
+        # A change decided after step j plans step j + lag on: beyond every plan already made or prefetched,
+        # and every step the data process has ready.
+        self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 + STEPS_AHEAD if al.refit_every_steps else None
         self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
         self._last_step_end: float | None = None
 
-    def _plans(self, start: int) -> Iterator[LocalPlan]:
-        """This process's plans from ``start`` on, each with the cost model the schedule names for its step."""
-        planner = self.planner
-        for step in range(start, self.config.steps):
-            model = self.schedule.model_at(step)
-            if model is not planner.cost_model:
-                planner = self.planner.with_cost_model(model)
-            yield planner.plan_local(step, self.ranks)
-
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
         from wanloom_trainer.adaptiveload.cost_model import cost_model_from_dict
-        from wanloom_trainer.data import PlanPrefetcher
 
-        restored = [(int(first), cost_model_from_dict(doc)) for first, doc in meta.get("cost_models", [])]
+        changes = meta.get("cost_models", [])
+        restored = [(int(first), cost_model_from_dict(doc)) for first, doc in changes]
         self.schedule = CostSchedule(self.planner.cost_model, start=start, lag=self.refit_lag, changes=restored)
-        # Each process plans only its own ranks (plus the step's totals), in a thread ahead of the loop.
-        plans = PlansAhead(self._plans(start), depth=PLAN_DEPTH)
-        copies = itertools.tee(plans, len(self.ranks)) if len(self.ranks) > 1 else (plans,)
-        depth = self.config.data.prefetch
-        self.prefetchers = [
-            PlanPrefetcher(self.dataset, p, r, depth, prepare=self.prepare)
-            for p, r in zip(copies, self.ranks, strict=True)
-        ]
+        # Planning, loading and row building run in a process of their own (train/data_process.py).
+        metrics = self.reporter.metrics
+        pipeline = Pipeline(self.config, self.ranks, start, LAYOUTS[self.backend.name], self.refit_lag, changes,
+                            meta.get("data", {}))  # fmt: skip
+        self.data = DataProcess(pipeline, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage)
         try:
-            for prefetcher in self.prefetchers:
-                prefetcher.load_state_dict({"next_step": start, "dataset": meta.get("data", {}).get("dataset", {})})
-            for step_data in zip(*self.prefetchers, strict=True):
+            for step_data in self.data:
                 state = self.step(state, step_data)
                 if self._stop_requested():
                     self._stop(state)
                     break
         finally:
             self.schedule.close()
-            for prefetcher in self.prefetchers:
-                prefetcher.close()
-            plans.close()
+            self.data.close()
         self._report_commit(wait=True)
         return state
 
@@ -274,10 +248,10 @@ class _Loop:
 
     def step(self, state: Any, step_data: tuple[Any, ...]) -> Any:
         cfg = self.config
-        started = time.perf_counter()
+        data_wait = self.data.wait_s if self.data is not None else 0.0  # receiving the step from the data process
+        started = time.perf_counter() - data_wait  # the step began when the loop asked for its data
         plan = step_data[0].plan
-        slots, skipped = step_slots(step_data, self.ranks, num_experts=cfg.model.num_experts, prepare=self.prepare)
-        data_wait = time.perf_counter() - started
+        slots, skipped = step_slots(step_data, self.ranks, num_experts=cfg.model.num_experts)
         planned = plan.expert_samples[: cfg.model.num_experts]
         valid = self._valid_samples(planned, skipped)
         self.result.next_step = plan.step + 1
@@ -336,6 +310,8 @@ class _Loop:
                 model = decode_model(encoded, self.config.model.wan.name)
         if self.refit_lag is not None:
             self.schedule.decide(plan.step, model)
+            if self.data is not None:
+                self.data.decide(plan.step, model)
 
     def _checkpoint(self, state: Any, next_step: int) -> Any:
         """Report a save that has committed meanwhile; start the next one when due."""
@@ -364,7 +340,7 @@ class _Loop:
             "trainingjob": cfg.job_name,
             "routing": {"mode": cfg.routing.mode, "boundary_ratio": cfg.routing.boundary_ratio},
             # Plans, timesteps and noise are functions of (seed, step): the loader's position is next_step.
-            "data": self.prefetchers[0].state_dict() if self.prefetchers else {"next_step": next_step},
+            "data": self.data.state_dict() if self.data is not None else {"next_step": next_step},
             # Refits decided so far: the steps after next_step are planned with the models chosen for them.
             "cost_models": [[first, model.to_dict()] for first, model in self.schedule.changes()],
         }
