@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -23,6 +24,12 @@ from wanloom_trainer.train.run import run
 
 def _config(tiny: Any, tmp_path: Path, steps: int, **changes: Any) -> Any:
     return tiny.tiny_config(tmp_path, training={"steps": steps}, optimizer={"warmupSteps": 0}, **changes)
+
+
+def _large_rows(tiny: Any, tmp_path: Path, steps: int) -> Any:
+    """Buckets of 256x256 pixels: each step's message is several times a pipe's 64 KiB buffer."""
+    buckets = [{"frames": f, "height": 256, "width": 256} for f in (1, 9)]
+    return _config(tiny, tmp_path, steps, adaptiveLoad={"memoryBudgetTokens": 4096, "buckets": buckets})
 
 
 def _start(config: Any, start: int = 0, data_state: dict[str, Any] | None = None, **hooks: Any) -> DataProcess:
@@ -101,12 +108,26 @@ def test_skips_and_log_records_reach_the_trainer(tiny: Any, tmp_path: Path, capl
     assert data.state_dict()["dataset"]["skipped_by_reason"]["corrupt"] == len(skips)
 
 
+def test_steps_larger_than_the_pipe_buffer_all_arrive(tiny: Any, tmp_path: Path) -> None:
+    data = _start(_large_rows(tiny, tmp_path, 5))
+    received = []
+    try:
+        for step in data:  # a slow reader: the child has finished planning and loading long before the last step
+            received.append(step)
+            time.sleep(0.2)
+    finally:
+        data.close()
+    assert [step[0].plan.step for step in received] == [0, 1, 2, 3, 4]
+    assert min(len(pickle.dumps(step)) for step in received) > 2 * 65536
+    assert data._process.exitcode == 0
+
+
 def test_a_data_process_that_dies_is_reported_not_waited_for(tiny: Any, tmp_path: Path) -> None:
-    config = _config(tiny, tmp_path, 50)
-    data = _start(config)
+    data = _start(_large_rows(tiny, tmp_path, 50))
     try:
         steps = iter(data)
         next(steps)
+        time.sleep(1.0)  # the next step is half written: the pipe holds 64 KiB of it
         os.kill(data._process.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match=r"data process .* exited with code -9"):
             for _ in steps:

@@ -99,6 +99,10 @@ class DataProcess:
         args = (pipeline, logging.getLogger().getEffectiveLevel(), self._steps, self._events, self._control)
         self._process = ctx.Process(target=_serve, args=args, name="wanloom-data", daemon=True)
         self._process.start()
+        # The child holds its own copies of the write ends now. Closing ours makes a child that dies mid-message
+        # an end of file here; with ours open, reading its half-written step would wait forever.
+        for q in (self._steps, self._events):
+            q._writer.close()
 
     def __iter__(self) -> Iterator[tuple[PreparedStep, ...]]:
         while not self._ended:
@@ -122,18 +126,28 @@ class DataProcess:
                 return self._steps.get(timeout=_POLL_S)
             except queue.Empty:
                 self._drain_events()
-                if not self._process.is_alive():
-                    self._ended = True
-                    raise RuntimeError(
-                        f"the data process (planning and loading) exited with code {self._process.exitcode} "
-                        "without a word; see its log above"
-                    ) from None
+                if self._process.is_alive():
+                    continue
+            except (EOFError, OSError):  # it died, perhaps in the middle of a message
+                self._process.join(_STOP_TIMEOUT_S)
+            self._ended = True
+            raise RuntimeError(
+                f"the data process (planning and loading) exited with code {self._process.exitcode} "
+                "without a word; see its log above"
+            )
+
+    def _discard_steps(self) -> None:
+        while True:
+            try:
+                self._steps.get_nowait()
+            except (queue.Empty, EOFError, OSError):
+                return
 
     def _drain_events(self) -> None:
         while True:
             try:
                 event = self._events.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError):  # none waiting, or the child has exited
                 return
             if isinstance(event, logging.LogRecord):
                 logging.getLogger(event.name).handle(event)
@@ -156,6 +170,7 @@ class DataProcess:
         deadline = time.monotonic() + _STOP_TIMEOUT_S
         while self._process.is_alive() and time.monotonic() < deadline:
             self._drain_events()
+            self._discard_steps()  # a child that finished first flushes its last steps before it can exit
             self._process.join(_POLL_S)
         if self._process.is_alive():
             log.warning("the data process did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
@@ -182,7 +197,6 @@ def _serve(pipeline: Pipeline, log_level: int, steps: Any, events: Any, control:
     root.handlers[:] = [logging.handlers.QueueHandler(events)]
     root.setLevel(log_level)
     stop = threading.Event()
-    steps.cancel_join_thread()  # a step the parent never reads must not keep this process from exiting
     closers: list[Callable[[], Any]] = []
     config, ranks, start = pipeline.config, pipeline.ranks, pipeline.start
     try:
@@ -219,6 +233,8 @@ def _serve(pipeline: Pipeline, log_level: int, steps: Any, events: Any, control:
         exc.add_note(f"(raised in the data process:\n{''.join(traceback.format_exception(exc)).rstrip()})")
         _put(steps, ("error", _portable(exc)), stop)
     finally:
+        if stop.is_set():  # the parent stopped reading: a step still buffered must not keep this process alive
+            steps.cancel_join_thread()
         stop.set()
         for close in reversed(closers):
             close()
