@@ -1,8 +1,8 @@
-"""Plans computed ahead, off the training loop's thread.
+"""Plans computed ahead, in a thread of the data process (``data_process.py``).
 
 Planning a step (``Planner.plan_local``) is a pure function of the step, so the plans of the next steps can be made
 while the current one trains. ``PlansAhead`` runs the plan iterator in one daemon thread and keeps up to ``depth``
-finished plans queued; the loop only waits when planning falls behind training (``waited_s`` adds that up).
+finished plans queued; the loaders only wait when planning falls behind them.
 Errors raised while planning surface in the loop at the step they belong to. ``CostSchedule`` names the cost model
 each step is planned with when the run refits it online.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,7 +25,6 @@ class PlansAhead(Iterator[Any]):
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._queue: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self.waited_s = 0.0
         self._thread = threading.Thread(target=self._fill, args=(iter(plans),), name="wanloom-plan", daemon=True)
         self._thread.start()
 
@@ -49,9 +47,7 @@ class PlansAhead(Iterator[Any]):
         return False
 
     def __next__(self) -> Any:
-        started = time.perf_counter()
         plan, error = self._queue.get()
-        self.waited_s += time.perf_counter() - started
         if error is not None:
             raise error
         if plan is _DONE:
