@@ -1,27 +1,31 @@
-"""AdaptiveLoad balance in the modes the trainers run: equal-token batches vs the paper's rule vs balanced.
+"""AdaptiveLoad against the sampler users would otherwise run, over one sample stream, in the trainers' modes.
 
-Every policy gets the same samples per step (16 per data-parallel rank from the same seeded stream), and each
-configuration is simulated in the execution mode of one trainer:
+Policies (``adaptiveload.compare``): ``bucket-sampler`` (the baseline: one bucket and one expert per micro-batch,
+B = ⌊M_mem/S_b⌋; per-rank draws in lockstep on GPUs, one bucket per slot for all devices on TPUs), ``paper`` (the
+same sampler with the paper's B) and ``balanced`` (the trainer's planner: planning windows, lockstep slots on GPUs,
+two-shape packing on TPUs). Each consumes the same stream: 1,024 samples per data-parallel rank of the balanced
+planner's data order and routing draws, at 4 and 16 samples per rank per step.
 
 - ``gpu``: the PyTorch trainer's layout, per-rank micro-batches with FSDP collectives in every micro-batch
-  (lockstep: a step takes Σ over slots of the slowest rank), memoryBudgetTokens 151,200 (two 720p × 81 clips);
-- ``tpu``: the JAX trainer's layout, SPMD (every slot one program on every device): the baselines group each
-  bucket over all ranks, padding with zero-weight rows; balanced packs samples into one row per rank per slot;
-  memoryBudgetTokens 75,600 per data-parallel rank (one 720p × 81 clip over a context group of 4).
+  (lockstep), memoryBudgetTokens 151,200 (two 720p × 81 clips);
+- ``tpu``: the JAX trainer's layout, SPMD, memoryBudgetTokens 75,600 per data-parallel rank (one 720p × 81 clip
+  over a context group of 4). The sampler's last, short chunk per queue is padded to its program, as in an epoch
+  of this stream's length; ``steady`` gives the ratio against the sampler with those chunks charged pro rata (a
+  much longer epoch).
 
 Costs come from the analytic Wan2.2-T2V-A14B FLOP model (``flops.py``) at 40% of the device's dense bf16 peak plus a
-per-micro-batch overhead (0.05 s GPU, 0.02 s TPU); ratios do not depend on the rate. Two shape mixes: the reference
-mix of ``adaptiveload.simulate`` and a held-out one the planner was never tuned on (more images, more 720p, shorter
-clips). Reported per configuration: load CV over useful compute (padding is not load), padding share of compute,
-idle share of rank-time, throughput relative to equal tokens, micro-batches per rank.
+per-micro-batch overhead (0.05 s GPU, 0.02 s TPU); ratios do not depend on the rate. Three shape mixes: the
+reference mix of ``adaptiveload.simulate``, a held-out one (more images, more 720p, shorter clips) and an unseen one
+added after the planner was tuned (mostly 480p, portrait-heavy, 3 s clips, few images).
 
-Planning cost at 1,024 ranks (16,384 samples): ``plan_local`` (what one process computes: the step's decisions and
-its own rank's micro-batches) on one core, and the time the training loop waits for its plan when planning runs in
-the ``PlansAhead`` thread and each step keeps the loop busy for 50 ms (a real A14B step takes seconds).
+Planning cost at 1,024 ranks: ``plan_local`` (what one process computes) on one core, median and the slowest step
+(the first step of a window plans the whole window), and the time the training loop waits for its plan when
+planning runs in the ``PlansAhead`` thread and each step keeps the loop busy for 50 ms (a real A14B step takes
+seconds).
 
 Usage (writes benchmarks/results/adaptiveload_balance.{json,png}):
 
-    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/adaptiveload_balance.py [--steps 8]
+    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/adaptiveload_balance.py
 """
 
 from __future__ import annotations
@@ -33,23 +37,28 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from wanloom_trainer.adaptiveload.compare import BASELINE, POLICIES, compare, sampler, stream_of
 from wanloom_trainer.adaptiveload.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.simulate import MixSpec, SimResult, simulate, synthetic_index
+from wanloom_trainer.adaptiveload.report import compare_steps
+from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.flops import get_accelerator
+from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 from wanloom_trainer.routing import Router, TimestepSampler
 from wanloom_trainer.train.plan_ahead import PlansAhead
 
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("equal-tokens", "paper", "balanced")
 RANKS = (16, 64, 1024)
-PER_RANK_SAMPLES = 16
+SAMPLES_PER_RANK = (4, 16)
 SAMPLES = 200_000
 A14B = get_variant("wan2.2-t2v-a14b")
 MIXES = {
     "reference": MixSpec(),
     "held-out": MixSpec(image_share=0.45, clip_720p_share=0.6, duration_mean_s=5.0, duration_log_sigma=0.8),
+    "unseen": MixSpec(
+        image_share=0.1, clip_720p_share=0.2, duration_mean_s=3.0, duration_log_sigma=0.5, clip_aspects=(0.4, 0.5, 0.1)
+    ),
 }
 
 
@@ -68,34 +77,39 @@ def router() -> Router:
     return Router(TimestepSampler("uniform", shift=5.0), 0.875, "per-sample")
 
 
-def planner(index, mode: dict, policy: str, ranks: int) -> Planner:  # type: ignore[no-untyped-def]
+def planner(index, mode: dict, ranks: int, per_rank: int) -> Planner:  # type: ignore[no-untyped-def]
     config = PlanConfig(
-        ranks, policy, mode["layout"], global_batch=PER_RANK_SAMPLES * ranks, memory_budget_tokens=mode["memory"],
-        seed=0, sequence_multiple=mode["multiple"], same_samples=True,
+        ranks, "balanced", mode["layout"], global_batch=per_rank * ranks, memory_budget_tokens=mode["memory"],
+        seed=0, sequence_multiple=mode["multiple"], max_segments=max_packed_segments(A14B.dim),
     )  # fmt: skip
     return Planner(index, A14B, config, mode["cost"], router())
 
 
-def row(result: SimResult, base: SimResult) -> dict[str, float]:
-    return {
-        "load_cv": result.mean_cv,
-        "padding_fraction": result.padding_fraction,
-        "idle_fraction": max(0.0, result.idle_fraction),
-        "throughput_vs_equal_tokens": result.tokens_per_second / base.tokens_per_second,
-        "micro_batches_per_rank": result.mean_slots,
-    }
+def run_config(index, mode: dict, ranks: int, per_rank: int) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Every policy over the same stream; for SPMD also the balanced ratio against the sampler's steady state."""
+    p = planner(index, mode, ranks, per_rank)
+    steps = compare_steps(p)
+    results = compare(p, steps)
+    rows = {name: r.to_json(results[BASELINE]) for name, r in results.items()}
+    rows["balanced"]["shapes_per_expert"] = max(results["balanced"].shapes_per_expert)
+    if mode["layout"] == "spmd":
+        steady = sampler(p, BASELINE, *stream_of(p, steps), steady_state=True)
+        rows["balanced"]["throughput_vs_steady_sampler"] = (
+            results["balanced"].tokens_per_second / steady.tokens_per_second
+        )
+    return rows
 
 
-def planning(index, mode: dict, step_s: float = 0.05, steps: int = 20) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Milliseconds per step at 1,024 ranks: plan_local on one core, and the loop's wait with PlansAhead."""
-    p = planner(index, mode, "balanced", 1024)
-    p.plan_local(0, [7])  # the epoch permutation, built once as in a running trainer
+def planning(index, mode: dict, step_s: float = 0.05, steps: int = 16) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Milliseconds per step at 1,024 ranks, 16 samples per rank: plan_local on one core (median, slowest), and the
+    loop's wait with PlansAhead."""
+    p = planner(index, mode, 1024, 16)
     times = []
-    for step in range(1, steps + 1):
+    for step in range(steps):
         start = time.perf_counter()
         p.plan_local(step, [7])
         times.append(1e3 * (time.perf_counter() - start))
-    ahead = PlansAhead((p.plan_local(s, [7]) for s in range(steps + 1, 2 * steps + 1)), depth=2)
+    ahead = PlansAhead((p.plan_local(s, [7]) for s in range(steps, 2 * steps)), depth=2)
     waits = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -103,19 +117,27 @@ def planning(index, mode: dict, step_s: float = 0.05, steps: int = 20) -> dict[s
         waits.append(1e3 * (time.perf_counter() - start))
         time.sleep(step_s)  # the device-bound step
     ahead.close()
-    return {"plan_local_ms": statistics.median(times), "loop_wait_ms": statistics.median(waits[1:])}
+    return {
+        "plan_local_ms": statistics.median(times),
+        "plan_local_max_ms": max(times),
+        "loop_wait_ms": statistics.median(waits[1:]),
+        "window_steps": p.window_steps,
+    }
 
 
 def table(results: dict) -> str:
     lines = [
-        "| mix | mode | ranks | policy | load CV | padding | idle | × equal tokens | micro-batches/rank |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+        "| mix | mode | ranks | samples/rank | policy | × bucket sampler | load CV | padding | idle | step programs |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for key, r in results.items():
-        mix, mode, ranks, policy = key.split("/")
+        mix, mode, ranks, per_rank, policy = key.split("/")
+        ratio = f"{r['throughput_vs_baseline']:.2f}"
+        if "throughput_vs_steady_sampler" in r:
+            ratio += f" (steady {r['throughput_vs_steady_sampler']:.2f})"
         lines.append(
-            f"| {mix} | {mode} | {ranks} | {policy} | {r['load_cv']:.1%} | {r['padding_fraction']:.1%} | "
-            f"{r['idle_fraction']:.1%} | {r['throughput_vs_equal_tokens']:.2f} | {r['micro_batches_per_rank']:.1f} |"
+            f"| {mix} | {mode} | {int(ranks):,} | {per_rank} | {policy} | {ratio} | {r['load_cv']:.1%} | "
+            f"{r['padding_fraction']:.1%} | {r['idle_fraction']:.1%} | {r['compiled_shapes']} |"
         )
     return "\n".join(lines)
 
@@ -127,45 +149,47 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"equal-tokens": "tab:gray", "paper": "tab:orange", "balanced": "tab:blue"}
+    colors = {"bucket-sampler": "tab:gray", "paper": "tab:orange", "balanced": "tab:blue"}
+    styles = {"reference": "-", "held-out": "--", "unseen": ":"}
     for ax, mode in zip(axes, ("gpu", "tpu"), strict=True):
-        for mix, style in (("reference", "-"), ("held-out", "--")):
+        for mix, style in styles.items():
             for policy in POLICIES:
-                ys = [results[f"{mix}/{mode}/{r}/{policy}"]["throughput_vs_equal_tokens"] for r in RANKS]
+                ys = [results[f"{mix}/{mode}/{r}/16/{policy}"]["throughput_vs_baseline"] for r in RANKS]
                 ax.plot(RANKS, ys, style, marker="o", color=colors[policy], label=f"{policy} ({mix})")
         title = "GPU: per-rank lockstep" if mode == "gpu" else "TPU: SPMD (balanced = packed)"
-        ax.set(title=f"{title}, same samples", xlabel="data-parallel ranks", ylabel="throughput vs equal tokens")
+        ax.set(title=f"{title}, 16 samples/rank", xlabel="data-parallel ranks", ylabel="throughput vs bucket sampler")
         ax.set_xscale("log")
         ax.minorticks_off()
         ax.set_xticks(RANKS, [str(r) for r in RANKS])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="simulated steps per configuration")
-    args = parser.parse_args()
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}
-    for mix_name, mix in MIXES.items():
-        index = synthetic_index(A14B, SAMPLES, seed=0 if mix_name == "reference" else 1, mix=mix)
+    for seed, (mix_name, mix) in enumerate(MIXES.items()):
+        index = synthetic_index(A14B, SAMPLES, seed=seed, mix=mix)
         for mode_name, mode in modes().items():
             for ranks in RANKS:
-                sims = {p: simulate(planner(index, mode, p, ranks), args.steps) for p in POLICIES}
-                for policy, sim in sims.items():
-                    results[f"{mix_name}/{mode_name}/{ranks}/{policy}"] = row(sim, sims["equal-tokens"])
+                for per_rank in SAMPLES_PER_RANK:
+                    rows = run_config(index, mode, ranks, per_rank)
+                    for policy, row in rows.items():
+                        results[f"{mix_name}/{mode_name}/{ranks}/{per_rank}/{policy}"] = row
+                    print(f"{mix_name} {mode_name} {ranks} ranks {per_rank}/rank: balanced "
+                          f"{rows['balanced']['throughput_vs_baseline']:.3f}x", flush=True)  # fmt: skip
     print(table(results))
     index = synthetic_index(A14B, SAMPLES, seed=0)
     timing = {name: planning(index, mode) for name, mode in modes().items()}
     for name, t in timing.items():
-        print(f"planning at 1,024 ranks ({name}): plan_local {t['plan_local_ms']:.1f} ms on one core; "
-              f"the loop waits {t['loop_wait_ms']:.2f} ms per step")  # fmt: skip
+        print(f"planning at 1,024 ranks ({name}, windows of {t['window_steps']} steps): plan_local median "
+              f"{t['plan_local_ms']:.1f} ms, slowest {t['plan_local_max_ms']:.0f} ms on one core; the loop waits "
+              f"{t['loop_wait_ms']:.2f} ms per step")  # fmt: skip
     report = {
-        "steps": args.steps,
-        "samples_per_rank": PER_RANK_SAMPLES,
+        "samples_per_rank_streamed": 1024,
         "modes": {k: {**v, "cost": asdict(v["cost"])} for k, v in modes().items()},
         "results": results,
         "planning_1024_ranks": timing,

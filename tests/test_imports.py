@@ -100,3 +100,12 @@ def test_a_cli_command_whose_side_is_not_installed_says_so() -> None:
         cwd=ROOT,
     )
     assert validate.returncode == 0, validate.stderr
+
+
+def test_adaptiveload_imports_nothing_of_the_training_loop() -> None:
+    """The trainer plans with AdaptiveLoad; AdaptiveLoad never reaches back into ``train`` (the shape benchmark's
+    backend step lives there and hands AdaptiveLoad its timing points): no circle between the two packages."""
+    package = ROOT / "trainer_images" / "wanloom_trainer" / "adaptiveload"
+    imported = {m for path in package.glob("*.py") for m in _imports_in(path)}
+    assert "wanloom_trainer.adaptiveload.planner" in imported  # the walk sees the package's own imports
+    assert not {m for m in imported if m.startswith("wanloom_trainer.train")}

@@ -294,9 +294,10 @@ class AdaptiveLoadSpec(_Model):
     enabled: bool = Field(True, description="Plan per-rank work with AdaptiveLoad; off means equal-token batches.")
     scheduler: Literal["balanced", "paper", "equal-tokens"] = Field(
         "balanced",
-        description="balanced: per-step min-max assignment of samples to ranks (backend jax: samples of any shapes "
-        "packed into one row per device per slot); paper: dual-constraint batch sizes per bucket; equal-tokens: "
-        "B*S = memoryBudgetTokens.",
+        description="balanced: a window of steps planned together, every micro-batch slot balanced across ranks "
+        "(backend jax: samples of any shapes packed into rows of two shapes); paper: one bucket per micro-batch with "
+        "the dual-constraint batch sizes; equal-tokens: one bucket per micro-batch, B*S = memoryBudgetTokens (the "
+        "bucket sampler).",
     )
     memory_budget_tokens: int = Field(
         32_768,
@@ -321,6 +322,14 @@ class AdaptiveLoadSpec(_Model):
     )
     buckets: list[BucketSpec] | None = Field(
         None, description="Shape buckets; derived from the dataset's shape index when unset."
+    )
+    window_samples_per_rank: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description="balanced: samples per data-parallel rank planned together (at most one epoch); the window's "
+        "slots are dealt to its steps, about globalBatch samples each. 0: each step planned alone, exactly "
+        "globalBatch samples in stream order.",
     )
 
 

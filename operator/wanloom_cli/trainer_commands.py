@@ -135,11 +135,14 @@ def plan(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Show AdaptiveLoad's batch plan for a TrainingJob (buckets, batch sizes, balance in the backend's mode)."""
+    """Show AdaptiveLoad's plan for a TrainingJob: buckets, batch sizes, and its throughput against the bucket
+    sampler over the same sample stream, in the backend's mode."""
     from wanloom_trainer.adaptiveload.report import run_plan
+    from wanloom_trainer.train.bench_step import measure_shape_bench
 
     try:
-        typer.echo(run_plan(file, bench, shapes_csv=shapes, as_json=json_out))
+        measure = measure_shape_bench if bench is not None else None
+        typer.echo(run_plan(file, bench, shapes_csv=shapes, as_json=json_out, measure=measure))
     except (InvalidTrainingJob, *_user_errors()) as exc:
         typer.echo(f"wanloom plan: {_explain(exc)}", err=True)
         raise typer.Exit(1) from None

@@ -70,9 +70,8 @@ def test_summed_weighted_gradients_equal_global_mean(index, flop_cost, router, p
 
 
 def test_per_rank_mean_then_mean_is_wrong_for_unequal_batches(index, flop_cost, router):
-    planner = Planner(
-        index, A14B, PlanConfig(6, "balanced", global_batch=40, memory_budget_tokens=151_200), flop_cost, router
-    )
+    config = PlanConfig(6, "balanced", global_batch=40, memory_budget_tokens=151_200, window_samples_per_rank=1)
+    planner = Planner(index, A14B, config, flop_cost, router)
     plan = planner.plan(0)
     counts = [r.num_samples for r in plan.ranks]
     assert len(set(counts)) > 1  # the balanced plan really gives ranks different batch sizes
@@ -84,12 +83,14 @@ def test_per_rank_mean_then_mean_is_wrong_for_unequal_batches(index, flop_cost, 
 
 
 def test_padding_rows_carry_zero_weight(index, flop_cost, router):
-    config = PlanConfig(6, "equal-tokens", "spmd", global_batch=40, memory_budget_tokens=151_200, same_samples=True)
+    config = PlanConfig(6, "equal-tokens", "spmd", global_batch=40, memory_budget_tokens=151_200)
     planner = Planner(index, A14B, config, flop_cost, router)
-    plan = planner.plan(1)
-    mbs = [mb for r in plan.ranks for mb in r.micro_batches]
-    rows = [(sid, w) for mb in mbs for sid, w in zip(mb.sample_ids, mb.weights, strict=True)]
-    padding = [sid for sid, w in rows if w == 0.0]
-    assert padding  # 40 samples over 6 ranks in shape-aligned slots needs padding
+    for step in range(64):  # a bucket's last chunk of the epoch is short: its missing rows are padding
+        mbs = [mb for r in planner.plan(step).ranks for mb in r.micro_batches]
+        rows = [(sid, w) for mb in mbs for sid, w in zip(mb.sample_ids, mb.weights, strict=True)]
+        padding = [sid for sid, w in rows if w == 0.0]
+        if padding:
+            break
+    assert padding
     real = {sid for sid, w in rows if w > 0}
     assert set(padding) <= real  # duplicates of real samples of the same micro-batch shape

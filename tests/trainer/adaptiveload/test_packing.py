@@ -1,106 +1,88 @@
-"""SPMD packing: one row per rank per slot under the dual constraint, balanced, with few compiled shapes."""
+"""SPMD packing: rows of two shapes for the whole run, alike rows in a slot, every sample once."""
 
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.layout import cost_grid
-from wanloom_trainer.adaptiveload.packing import ROW_CLASSES, fill_rows
+from wanloom_trainer.adaptiveload.compare import compare
+from wanloom_trainer.adaptiveload.packing import expert_rows, row_shapes
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.simulate import MixSpec, simulate, synthetic_index
+from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 
 from .conftest import A14B
 
 M_MEM = 75_600
+SIZES = np.array([75_600, 32_760, 18_000, 14_040, 3_600, 1_560])
 
 
-def _lpt_one_by_one(tokens, cost, comp, num_ranks, m_mem, m_comp):
-    """The reference: each sample, most expensive first, to the least-loaded row where it fits (lowest index on
-    ties); a new slot of R rows when none fits."""
-    rows = max(1, -(-int(tokens.sum()) // (num_ranks * m_mem)), int(np.ceil(comp.sum() / (num_ranks * m_comp))))
-    load, free_t, free_c, used = (
-        [0.0] * (num_ranks * rows),
-        [m_mem] * (num_ranks * rows),
-        [m_comp] * (num_ranks * rows),
-        [0] * (num_ranks * rows),
-    )
-    out = np.empty(len(tokens), dtype=np.int64)
-    for i in np.lexsort((tokens, cost))[::-1]:
-        while True:
-            fits = [
-                j
-                for j in range(len(load))
-                if free_t[j] >= tokens[i] and (free_c[j] >= comp[i] * (1 - 1e-9) or used[j] == 0)
-            ]
-            if fits:
-                break
-            load += [0.0] * num_ranks
-            free_t += [m_mem] * num_ranks
-            free_c += [m_comp] * num_ranks
-            used += [0] * num_ranks
-        j = min(fits, key=lambda r: (load[r], fits.index(r)))
-        out[i], load[j], free_t[j], free_c[j], used[j] = (
-            j,
-            load[j] + cost[i],
-            free_t[j] - tokens[i],
-            free_c[j] - comp[i],
-            used[j] + 1,
-        )
-    return out, np.array(load)
+def test_row_shapes_are_fixed_by_the_buckets_and_capped_by_segments():
+    shapes = row_shapes(SIZES, M_MEM, 4, max_segments=128)
+    assert (shapes.long_tokens, shapes.short_tokens) == (75_600, 18_900)
+    assert shapes.groups == 64  # 48 images of 1,560 tokens fit, plus the padding slot
+    assert shapes.long_segment == 75_600 and shapes.short_segment == 18_900  # pow2 bound, cut to the row
+    capped = row_shapes(SIZES, M_MEM, 4, max_segments=16)
+    assert capped.groups == 16 and capped.max_samples == 15
+    with pytest.raises(ValueError, match="max_segments"):
+        row_shapes(SIZES, M_MEM, 4, max_segments=1)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_rounds_of_water_filling_place_samples_as_one_by_one_lpt_would(seed: int) -> None:
+def test_rows_hold_every_sample_within_their_shape(seed):
     rng = np.random.default_rng(seed)
-    kinds = np.array([[75_600, 9.0], [32_760, 3.2], [18_000, 1.6], [3_600, 0.3], [1_560, 0.12]])
-    pick = rng.choice(len(kinds), 60, p=[0.15, 0.25, 0.1, 0.25, 0.25])
-    tokens, cost = kinds[pick, 0].astype(np.int64), kinds[pick, 1]
-    comp = tokens.astype(np.float64) ** 1.4
-    got = fill_rows(tokens, cost, comp, 4, M_MEM, float(comp.max() * 1.5))
-    want, _ = _lpt_one_by_one(tokens, cost, comp, 4, M_MEM, float(comp.max() * 1.5))
-    rows = max(int(got.max()), int(want.max())) + 1
-
-    def summary(placed: np.ndarray) -> list[tuple[float, ...]]:
-        """(load, tokens, samples) of every row, sorted."""
-        columns = (np.round(np.bincount(placed, weights=w, minlength=rows), 6).tolist() for w in (cost, tokens, None))
-        return sorted(zip(*columns, strict=True))
-
-    # Identical samples are interchangeable, so the rows must match as a multiset.
-    assert summary(got) == summary(want)
+    tokens = SIZES[rng.choice(len(SIZES), 300, p=[0.15, 0.25, 0.1, 0.1, 0.2, 0.2])]
+    shapes = row_shapes(SIZES, M_MEM, 4, max_segments=32)
+    row_of, is_long = expert_rows(tokens, 8, shapes, min_slots=3)
+    assert (row_of >= 0).all() and len(is_long) % 8 == 0 and len(is_long) // 8 >= 3
+    used = np.bincount(row_of, weights=tokens, minlength=len(is_long))
+    count = np.bincount(row_of, minlength=len(is_long))
+    assert (used <= np.where(is_long, shapes.long_tokens, shapes.short_tokens)).all()
+    assert (count <= shapes.max_samples).all()
+    assert is_long[: is_long.sum()].all()  # long rows first, each shape in multiples of R
+    assert is_long.sum() % 8 == 0
+    # Short rows only take what the long rows could not: less than a slot of long rows' worth of tokens.
+    assert used[~is_long].sum() < 8 * shapes.long_tokens
 
 
-def _planner(index, cost, router, policy, ranks=16, **kw):
+def _planner(index, cost, router, ranks=16, batch_per_rank=16, **kw):
     config = PlanConfig(
-        ranks, policy, "spmd", global_batch=16 * ranks, memory_budget_tokens=M_MEM, seed=3, sequence_multiple=4,
-        same_samples=True, **kw,
+        ranks, "balanced", "spmd", global_batch=batch_per_rank * ranks, memory_budget_tokens=M_MEM, seed=3,
+        sequence_multiple=4, **kw,
     )  # fmt: skip
     return Planner(index, A14B, config, cost, router)
 
 
-def test_packed_plans_keep_the_contract(index, flop_cost, router):
-    planner = _planner(index, flop_cost, router, "balanced", ranks=6)
-    for step in range(3):
+def test_packed_plans_keep_the_contract(flop_cost, router):
+    index = synthetic_index(A14B, 2_000, seed=5)  # larger than a window: no sample repeats within one
+    planner = _planner(index, flop_cost, router, ranks=6, batch_per_rank=8)
+    steps = planner.window_steps
+    assert steps == 32  # 256 samples per rank planned at once, 8 per step
+    seen, geometries = [], set()
+    for step in range(steps):
         plan = planner.plan(step)
         plan.validate()  # one geometry per slot on every rank: one SPMD program
         samples = [i for r in plan.ranks for mb in r.micro_batches for i in mb.sample_ids]
-        assert len(samples) == len(set(samples)) == plan.num_samples == 96  # every sample once, no padding rows
-        lengths = set()
+        assert len(samples) == len(set(samples)) == plan.num_samples > 0  # every sample once, no padding rows
+        seen.extend(samples)
         for r in plan.ranks:
             for mb in r.micro_batches:
                 row = mb.packed
                 assert row is not None and sum(row.sample_tokens) <= row.row_tokens <= M_MEM
                 assert row.row_tokens % 4 == 0 and len(mb.sample_ids) + 1 <= row.groups  # padding has a slot
                 assert all(t <= row.max_segment_tokens for t in row.sample_tokens)
-                lengths.add(row.row_tokens)
-        assert len(lengths) <= ROW_CLASSES  # few compiled programs
+                assert all(w == 1 / plan.num_samples for w in mb.weights)
+                geometries.add((row.row_tokens, row.groups, row.max_segment_tokens))
+    # The window's samples, each once, over its steps; two programs for the whole run.
+    assert len(seen) == len(set(seen)) == steps * 48
+    assert geometries <= set(planner.row_shapes.programs())
 
 
-def test_packing_beats_equal_tokens_spmd_on_a_held_out_mix(flop_cost, router):
-    """The issue's targets, on a mix the planner was not tuned on (more images, shorter clips, more 720p):
-    padding ≤ 10% of compute and ≥ 1.15x the throughput of equal-token SPMD given the same samples."""
+@pytest.mark.parametrize("batch_per_rank", [4, 16])
+def test_packing_is_at_least_as_fast_as_the_bucket_sampler_on_a_held_out_mix(flop_cost, router, batch_per_rank):
+    """The issue's TPU target on a mix the planner was not tuned on (more images, shorter clips, more 720p): at least
+    the bucket sampler's throughput over the same stream, with at most 2 step programs per expert."""
     mix = MixSpec(image_share=0.45, clip_720p_share=0.6, duration_mean_s=5.0, duration_log_sigma=0.8)
     index = synthetic_index(A14B, 20_000, seed=7, mix=mix)
-    packed = _planner(index, flop_cost, router, "balanced")
-    equal = _planner(index, flop_cost, router, "equal-tokens")
-    a = packed.assign(0)
-    assert a.padding_cost(packed.facts) / cost_grid(a, packed.facts).sum() <= 0.10
-    assert simulate(packed, 4).tokens_per_second >= 1.15 * simulate(equal, 4).tokens_per_second
+    planner = _planner(index, flop_cost, router, batch_per_rank=batch_per_rank)
+    results = compare(planner, 512 // batch_per_rank)
+    balanced, sampler = results["balanced"], results["bucket-sampler"]
+    assert balanced.tokens_per_second >= sampler.tokens_per_second
+    assert max(balanced.shapes_per_expert) <= 2 < sampler.compiled_shapes

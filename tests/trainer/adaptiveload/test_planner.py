@@ -20,6 +20,7 @@ CASES = [
 
 
 def make(index, cost, router, policy, layout, sync="micro-batch", ranks=8, **kw):
+    kw.setdefault("window_samples_per_rank", 32)  # windows of 4 steps: 256 of the index's 600 samples
     cfg = PlanConfig(ranks, policy, layout, global_batch=64, memory_budget_tokens=M_MEM, sync=sync, seed=11, **kw)
     return Planner(index, A14B, cfg, cost, router)
 
@@ -28,6 +29,7 @@ def make(index, cost, router, policy, layout, sync="micro-batch", ranks=8, **kw)
 def test_plans_respect_the_contract(index, flop_cost, router, policy, layout, sync):
     planner = make(index, flop_cost, router, policy, layout, sync)
     ids = set(index.ids.tolist())
+    window = []
     for step in range(4):
         plan = planner.plan(step)
         plan.validate()  # same micro-batch count, experts aligned per slot, spmd shapes/rows aligned
@@ -36,12 +38,14 @@ def test_plans_respect_the_contract(index, flop_cost, router, policy, layout, sy
         real = [i for mb in mbs for i, w in zip(mb.sample_ids, mb.weights, strict=True) if w > 0]
         assert len(real) == len(set(real)) == plan.num_samples  # every sample once
         assert set(real) <= ids
+        window.extend(real)
         for r in plan.ranks:
             for mb in r.micro_batches:
                 assert mb.rows * mb.tokens <= M_MEM  # memory cap per micro-batch
                 assert all(w in (0.0, 1 / plan.num_samples) for w in mb.weights)
-        if policy == "balanced":
-            assert plan.num_samples == 64
+    if policy == "balanced":  # a window of W steps holds W·globalBatch samples, each once
+        assert planner.window_steps == (1 if sync == "step" else 4)
+        assert len(window) == len(set(window)) == 4 * 64
 
 
 def test_plan_is_a_function_of_seed_and_step(index, flop_cost, router):
@@ -163,8 +167,9 @@ def test_a_new_cost_model_keeps_samples_and_changes_the_balance(index, flop_cost
     planner = make(index, flop_cost, router, "balanced", "per-rank")
     linear = planner.with_cost_model(TwoTermCost(a=0.0, alpha=1.0, beta=0.0))
     before, after = planner.plan(4), linear.plan(4)
-    ids = lambda plan: sorted(i for r in plan.ranks for mb in r.micro_batches for i in mb.sample_ids)
-    assert ids(before) == ids(after) and before.num_samples == after.num_samples
+    ids = lambda plans: sorted(i for p in plans for r in p.ranks for mb in r.micro_batches for i in mb.sample_ids)
+    window = range(4, 8)  # the second window: its samples, whatever steps the costs deal them to
+    assert ids(planner.plan(s) for s in window) == ids(linear.plan(s) for s in window)
     assert before.to_dict() != after.to_dict()  # token-linear costs balance long clips differently
     assert planner.plan(4).to_dict() == before.to_dict()  # the original planner is untouched
     assert linear.cost_model.kind == "two-term" and planner.cost_model is flop_cost

@@ -10,6 +10,7 @@ from wanloom_trainer.adaptiveload.refit import (
     MIN_MEASUREMENTS,
     OnlineRefit,
     decode_model,
+    degenerate,
     encode_model,
     scale_free_error,
 )
@@ -65,17 +66,38 @@ def test_a_fit_that_beats_the_analytic_model_is_accepted() -> None:
     assert "cost refit accepted: two-term fit of 200 slot timings" in outcome.message
 
 
-def test_a_fit_worse_than_the_analytic_model_is_rejected_and_the_analytic_model_refitted() -> None:
+def test_when_no_family_beats_the_analytic_model_its_refit_is_accepted_if_it_passes_the_checks() -> None:
     """Timings that follow the FLOP count exactly: no family beats it; planning moves to the analytic model with the
     measured overhead and rate, which beats the model in use (the nominal rate without an overhead)."""
     true = FlopCost(VARIANT, 4.2e14, a=0.2)
     outcome = _refit(true).refit(FlopCost(VARIANT, 1e15))
-    assert outcome.verdict == "rejected"
+    assert outcome.verdict == "accepted"
     assert outcome.analytic_heldout_error < 1e-6 < outcome.heldout_error
     assert isinstance(outcome.model, FlopCost)
     assert outcome.model.flops_per_second == pytest.approx(true.flops_per_second, rel=1e-6)
     assert outcome.model.a == pytest.approx(true.a, rel=1e-6)
-    assert "planning with the analytic FLOP model refitted" in outcome.message
+    assert "accepted the analytic FLOP model refitted" in outcome.message
+
+
+@pytest.mark.parametrize("kind", ["noise", "constant"])
+def test_timings_that_say_nothing_about_shapes_keep_the_model_in_use(kind) -> None:
+    """Pure noise or constant slot times: every fit is all overhead; none may replace the model (the audit saw a
+    refitted 1e30 FLOP/s with a 4.1 s overhead adopted from noise, and b ≈ 1e-20 accepted from constants)."""
+    work = _work(0, 200)
+    rng = np.random.default_rng(3)
+    seconds = rng.uniform(0.05, 8.0, len(work)) if kind == "noise" else np.full(len(work), 4.0)
+    refit = OnlineRefit(VARIANT)
+    refit.add(work, seconds)
+    outcome = refit.refit(FlopCost(VARIANT, 1e15, a=0.05))
+    assert outcome.model is None and outcome.verdict in ("rejected", "kept"), outcome.message
+
+
+def test_degenerate_models_are_named() -> None:
+    timings = _refit(TwoTermCost(0.05, 2e-5, 3e-10), noise=0.03).timings()
+    assert degenerate(TwoTermCost(0.05, 2e-5, 3e-10), timings) is None
+    assert "ranks every shape alike" in degenerate(TwoTermCost(0.05, 1e-20, 0.0), timings)
+    assert "overhead" in degenerate(TwoTermCost(100.0, 2e-5, 3e-10), timings)
+    assert "non-finite" in degenerate(PowerCost(0.0, float("inf"), 1.0), timings)
 
 
 def test_a_rejected_fit_keeps_the_model_in_use_when_the_analytic_refit_is_no_better() -> None:
@@ -107,10 +129,12 @@ def test_too_few_timings_wait() -> None:
     assert f"waits for >= {MIN_MEASUREMENTS} slot timings" in outcome.message
 
 
-def test_the_window_keeps_the_latest_timings_and_skips_non_positive_ones() -> None:
+def test_the_window_keeps_the_latest_timings_and_drops_non_finite_and_non_positive_ones() -> None:
     refit = OnlineRefit(VARIANT, window=4)
     refit.add([[1560], [4680], [9360]], [0.1, 0.0, 0.3])
-    assert len(refit) == 2
+    assert len(refit) == 2 and refit.dropped == 1
+    refit.add([[1560], [4680], [9360]], [float("inf"), float("nan"), -1.0])
+    assert len(refit) == 2 and refit.dropped == 4
     refit.add([[18900], [32760], [1560]], [0.4, 0.5, 0.6])
     assert refit.timings().seconds.tolist() == [0.3, 0.4, 0.5, 0.6]
     with pytest.raises(ValueError, match="2 slots planned but 1 timed"):

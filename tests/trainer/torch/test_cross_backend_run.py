@@ -20,6 +20,9 @@ def test_jax_and_torch_runs_of_one_job_agree(make_config, tmp_path) -> None:
         build_expert(make_config().model.wan, seed=10 + i).save_pretrained(tmp_path / "weights" / folder)
     spec = {
         "model": {"weights": str(tmp_path / "weights")},
+        # Each step planned alone: both backends train the same samples in every step. (Planned in windows, the
+        # layouts — lockstep slots for torch, packed rows for jax — deal a window's samples to its steps apart.)
+        "adaptiveLoad": {"windowSamplesPerRank": 0},
         "optimizer": {"warmupSteps": 1},
         "training": {"steps": STEPS, "checkpoint": {"uri": None}},
     }

@@ -1,6 +1,11 @@
 """The online cost refit in a real run (torch backend, tiny model, CPU): slot timings reach the refit, a refit that
 beats the model in use plans the steps after it, the checkpoint carries the decision, and a run resumed from that
-checkpoint plans (and so trains) those steps exactly as the uninterrupted run did."""
+checkpoint plans (and so trains) those steps exactly as the uninterrupted run did.
+
+A tiny model's slot times on a CPU are mostly per-call overhead, so whether a refit carries enough shape signal to
+pass its checks (``adaptiveload.refit.degenerate``) depends on the machine's timing noise: the tests hold whatever
+process 0 decided to the log it wrote (the acceptance rules themselves are tested on exact timings in
+tests/trainer/adaptiveload/test_refit.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from wanloom_trainer.train.data_process import PLAN_DEPTH, STEPS_AHEAD
 from wanloom_trainer.train.run import run
 
 STEPS, EVERY = 30, 10
@@ -32,15 +38,18 @@ def test_an_adopted_refit_plans_the_later_steps_and_survives_a_resume(
     tiny: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="wanloom_trainer.train.run")
-    first = run(_config(tiny, tmp_path / "a"), progress=False)
+    config = _config(tiny, tmp_path / "a")
+    first = run(config, progress=False)
     refits = [r.getMessage() for r in caplog.records if "cost refit" in r.getMessage()]
     assert [m.split(":")[0] for m in refits] == [f"step {s}" for s in range(EVERY - 1, STEPS, EVERY)], refits
-    assert "accepted" in refits[0] or "planning with the analytic FLOP model refitted" in refits[0], refits[0]
+    assert all(" accepted" in m or " rejected" in m or " kept" in m for m in refits), refits
+    adopted = [int(m.split()[1].rstrip(":")) for m in refits if "cost refit accepted" in m]
 
     meta = json.loads((tmp_path / "a" / "checkpoints" / "step_00000020" / "meta.json").read_text())
     changes = meta["meta"]["cost_models"] if "meta" in meta else meta["cost_models"]
-    assert changes and changes[0][0] > EVERY - 1, changes  # decided after step 9, in effect a lag later
-    assert all(first_step <= 19 + 8 for first_step, _ in changes)
+    lag = PLAN_DEPTH + config.data.prefetch + 2 + STEPS_AHEAD
+    # Every adoption decided before the checkpoint, in effect a lag after its step; nothing else.
+    assert [first_step for first_step, _ in changes] == [s + lag for s in adopted if s < 20], (changes, refits)
 
     # Resume from step 20 in a fresh directory: the refit decided before the checkpoint plans steps 20..29.
     resumed_dir = tmp_path / "b"
@@ -75,8 +84,8 @@ def test_two_processes_adopt_process_0s_refit_together(tmp_path: Path) -> None:
                           timeout=600)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    adopted = [line for line in out.splitlines() if "cost refit accepted" in line or "refitted" in line]
-    assert adopted, out[-4000:]
+    refits = [line for line in out.splitlines() if "cost refit" in line]
+    assert len(refits) == 5, out[-4000:]  # process 0 decided after steps 3, 7, …, 19; both planned alike or hung
 
 
 def test_step_time_is_the_wall_time_between_steps(tiny: Any, tmp_path: Path) -> None:

@@ -76,3 +76,12 @@ def test_cost_schedule_without_refits_never_waits_and_refuses_changes() -> None:
     assert schedule.model_at(10_000) == "initial"
     with pytest.raises(ValueError, match="does not refit"):
         schedule.decide(3, "refit")
+
+
+def test_cost_schedule_changes_models_only_at_window_boundaries() -> None:
+    """A planning window is planned once: a change decided for a step inside a window takes effect at the next one."""
+    schedule = CostSchedule("initial", start=20, lag=4, changes=[(22, "b"), (13, "a")], window=8)
+    schedule.decide(20, None)  # step 24 is planned once the decision after step 20 is made
+    assert [schedule.model_at(s) for s in (7, 8, 15, 16, 22, 23, 24)] == [
+        "initial", "initial", "initial", "a", "a", "a", "b"
+    ]  # fmt: skip

@@ -23,8 +23,9 @@ def _job(tmp_path: Path, name: str, backend: str, fraction: float | None = None)
     text = text.replace(f"runs/{name}/", f"{tmp_path}/")
     if backend == "torch":
         text = text.replace("\n  resources:\n", "\n  resources:\n    backend: torch\n")
-    if fraction is not None:
+    if fraction is not None:  # step 0 holds the stream's first samples, clips among them
         text = text.replace("imageToVideoFraction: 0.5", f"imageToVideoFraction: {fraction}")
+        text = text.replace("\n  adaptiveLoad:\n", "\n  adaptiveLoad:\n    windowSamplesPerRank: 0\n")
     path = tmp_path / f"{name}-{backend}.yaml"
     path.write_text(text)
     return path

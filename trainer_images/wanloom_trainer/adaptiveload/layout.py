@@ -8,6 +8,7 @@ rows. Slots are numbered globally; every slot holds one expert on all ranks (exp
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -289,3 +290,44 @@ def _dummy(expert: int, facts: BucketFacts, packed: PackedRow | None = None, pad
     shape = tuple(facts.shapes[b].tolist())
     cost = float(facts.cost[b]) if packed is None else pad_cost
     return MicroBatch((), shape, expert, (), (), tokens=int(facts.tokens[b]), predicted_cost=cost, packed=packed)
+
+
+def select_slots(assignment: Assignment, slots: np.ndarray) -> Assignment:
+    """The sub-assignment of ``slots`` (global slot numbers), renumbered 0.. with expert 0's slots first."""
+    slots = np.asarray(slots, dtype=np.int64)
+    slots = slots[np.argsort(assignment.slot_expert[slots], kind="stable")]
+    renumber = np.full(assignment.num_slots, -1, dtype=np.int64)
+    renumber[slots] = np.arange(len(slots))
+    keep = np.flatnonzero(renumber[assignment.slot] >= 0)
+    p = assignment.packed
+    packed = None if p is None else PackedSlots(
+        p.row_tokens[slots], p.groups[slots], p.max_segment_tokens[slots], p.pad_tokens[:, slots], p.pad_cost[:, slots]
+    )  # fmt: skip
+    return Assignment(
+        assignment.rows.take(keep),
+        assignment.real[keep],
+        assignment.owner[keep],
+        renumber[assignment.slot[keep]],
+        assignment.num_ranks,
+        len(slots),
+        assignment.slot_expert[slots],
+        packed,
+    )
+
+
+def split_into_steps(assignment: Assignment, steps: int, rng: np.random.Generator) -> list[Assignment]:
+    """A window's assignment dealt to ``steps`` steps of near-equal real-sample counts: slots, largest first (ties in
+    a seeded random order), each to the step holding the fewest samples so far (LPT), so every step gets at least
+    one slot and a mix of the window's shapes. Needs ``num_slots`` ≥ ``steps``."""
+    if assignment.num_slots < steps:
+        raise ValueError(f"a window of {assignment.num_slots} slots cannot make {steps} steps")
+    samples = np.bincount(assignment.slot[assignment.real], minlength=assignment.num_slots)
+    shuffled = rng.permutation(assignment.num_slots)
+    order = shuffled[np.argsort(-samples[shuffled], kind="stable")]
+    heap = [(0, j) for j in range(steps)]
+    parts: list[list[int]] = [[] for _ in range(steps)]
+    for k in order.tolist():
+        held, j = heapq.heappop(heap)
+        parts[j].append(k)
+        heapq.heappush(heap, (held + int(samples[k]), j))
+    return [select_slots(assignment, np.sort(np.asarray(part, dtype=np.int64))) for part in parts]

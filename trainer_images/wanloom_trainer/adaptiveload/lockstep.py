@@ -139,19 +139,27 @@ def sorted_rows_time(
 
 
 def choose_units(
-    n: np.ndarray, cost: np.ndarray, cap: np.ndarray, num_ranks: int, overhead: float, dummy_cost: float
+    n: np.ndarray,
+    cost: np.ndarray,
+    cap: np.ndarray,
+    num_ranks: int,
+    overhead: float,
+    dummy_cost: float,
+    min_slots: int = 1,
 ) -> Units:
-    """The candidate layout (module docstring) with the lowest predicted lockstep time for one expert's groups."""
+    """The candidate layout (module docstring) with the lowest predicted lockstep time for one expert's groups, in
+    at least ``min_slots`` slots where the samples allow (≤ ⌈Σn / R⌉)."""
     lo = -(-n // cap)
     seats = Apportionment(n * cost, lo, n)
-    k_lo = max(1, -(-int(lo.sum()) // num_ranks))
+    k_lo = max(1, -(-int(lo.sum()) // num_ranks), min(min_slots, -(-seats.max_seats // num_ranks)))
     k_hi = min(max(k_lo, -(-seats.max_seats // num_ranks)), k_lo + _MAX_EXTRA_SLOTS)
     splits = [seats.seats(min(k * num_ranks, seats.max_seats)) for k in range(k_lo, k_hi + 1)]
     scored = [
         (sorted_rows_time(n, cost, q, num_ranks, dummy_cost, overhead), int(q.sum()), i) for i, q in enumerate(splits)
     ]
     filled = row_fill(n, cost, cap, num_ranks)
-    scored.append((filled.lockstep_time(cost, num_ranks, dummy_cost, overhead), len(filled.size), len(splits)))
+    if int(filled.row.max()) + 1 >= k_lo:
+        scored.append((filled.lockstep_time(cost, num_ranks, dummy_cost, overhead), len(filled.size), len(splits)))
     best = min(t for t, _, _ in scored)
     _, _, pick = min((s for s in scored if s[0] <= best * _PREFER_FEWER_SLOTS), key=lambda s: (s[1], s[0]))
     return filled if pick == len(splits) else sorted_rows(n, cost, splits[pick], num_ranks)
@@ -165,6 +173,7 @@ def lockstep_assign(
     num_ranks: int,
     overhead: float,
     repair_iters: int = 256,
+    min_slots: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """(owner rank [n], slot [n]) for the step's samples; items sharing (owner, slot) form one micro-batch.
 
@@ -175,6 +184,7 @@ def lockstep_assign(
         overhead: per-micro-batch overhead a of the cost model.
         repair_iters: swaps of same-slot units between ranks to even out per-rank totals (slot maxima, and so the
             lockstep time, are unchanged by such swaps).
+        min_slots: per expert, slots to make at least (a planning window needs one per step).
     """
     dummy_cost = float(cost.min())
     unit_of = np.empty(len(bucket), dtype=np.int64)
@@ -187,7 +197,8 @@ def lockstep_assign(
         keys = bucket[members].astype(np.int16 if len(cost) < 2**15 else np.int64)
         members = members[np.argsort(keys, kind="stable")]
         n = counts[groups]
-        units = choose_units(n, cost[groups], cap[groups], num_ranks, overhead, dummy_cost)
+        least = min_slots[e] if e < len(min_slots) else 1
+        units = choose_units(n, cost[groups], cap[groups], num_ranks, overhead, dummy_cost, least)
         # Each group's samples are consumed by that group's units in unit order.
         by_group = np.argsort(units.group, kind="stable")
         unit_of[members] = first_unit + np.repeat(by_group, units.size[by_group])

@@ -2,27 +2,30 @@
 
 Policies (``PlanConfig.policy``):
 
-- ``balanced`` (beyond the paper): a fixed global batch of ``global_batch`` samples per step from the seeded
-  epoch stream (``scheduler.SampleStream``); per-rank layout: samples are assigned to (rank, slot) so that every
-  lockstep slot is balanced (``lockstep``) or, synchronising once per step, per-rank totals are
-  (``balance.balance``); SPMD layout: samples are packed into one row per rank per slot under the dual constraint
-  and balanced across rows (``packing``).
+- ``balanced`` (beyond the paper): ``global_batch`` samples per step on average from the seeded epoch stream
+  (``scheduler.SampleStream``), planned a **window** of W steps at a time (W·``global_batch`` ≥
+  ``window_samples_per_rank``·R samples, at most an epoch): a handful of samples per rank cannot even out long
+  clips, a window can.
+  Per-rank layout: the window's samples are assigned to (rank, slot) so that every lockstep slot is balanced
+  (``lockstep``) or, synchronising once per step, per-rank totals are (``balance.balance``); SPMD layout: they are
+  packed into rows of two shapes, alike rows in a slot (``packing``). The window's slots are then shuffled (seeded)
+  and dealt to its W steps in contiguous runs of about ``global_batch`` samples each, so every step holds whole
+  slots of several shapes and both experts. With ``global_batch`` ≥ that many samples per rank (or
+  ``window_samples_per_rank`` 0), W = 1 and a step is its own window of exactly ``global_batch`` samples.
 - ``paper``: per-bucket batch sizes ``B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋))``; each rank draws one bucket chunk
   per step (``scheduler.BucketChunks``), so the global sample count varies per step.
 - ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
 
-``PlanConfig.same_samples`` (the simulator, ``wanloom plan``) gives the two baselines the balanced policy's
-samples instead: each step takes ``global_batch`` samples from the same stream, dealt to ranks in stream order
-(per-rank layout) or grouped by bucket over all ranks (SPMD), then cut into micro-batches of their batch sizes, so
-every policy is compared on the same work.
+The comparison with the sampler users would otherwise run is ``adaptiveload.compare``.
 
-Routing draws the step's timesteps and experts once for all its samples (``Router.draw(seed, step, n)``); each
+Routing draws timesteps and experts once for all samples of a window (``Router.draw(seed, first step, n)``); each
 micro-batch is then expert-homogeneous.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,17 +49,20 @@ from wanloom_trainer.adaptiveload.layout import (
     materialise,
     per_rank_assignment,
     slots_by_group,
+    split_into_steps,
     spmd_assignment,
 )
 from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
-from wanloom_trainer.adaptiveload.packing import packed_assignment
+from wanloom_trainer.adaptiveload.packing import RowShapes, packed_assignment, row_shapes
 from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, LocalPlan, StepPlan
 from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
 from wanloom_trainer.adaptiveload.shape_index import SampleShapes
 from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
 from wanloom_trainer.config.variants import WanVariant
+from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 
 SYNCS = ("micro-batch", "step")
+_WINDOW_TAG = 0x3D0  # the order a window's slots are dealt to its steps in
 
 
 class Router(Protocol):
@@ -85,7 +91,9 @@ class PlanConfig:
             balances per-rank totals, see ``balance``).
         repair_iters: local-search iterations after LPT (sync "step").
         sequence_multiple: packed rows are multiples of this many tokens (context × tensor: the sequence sharding).
-        same_samples: baselines run the balanced policy's samples (module docstring).
+        window_samples_per_rank: "balanced" plans this many samples per rank at once, at most an epoch (module
+            docstring); 0: every step alone.
+        max_segments: segment slots a packed row may have (the AdaLN kernel's VMEM budget).
     """
 
     num_ranks: int
@@ -99,7 +107,8 @@ class PlanConfig:
     sync: str = "micro-batch"
     repair_iters: int = 64
     sequence_multiple: int = 1
-    same_samples: bool = False
+    window_samples_per_rank: int = 256
+    max_segments: int = 128
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -110,13 +119,8 @@ class PlanConfig:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if self.sync not in SYNCS:
             raise ValueError(f"sync {self.sync!r} is not one of {', '.join(SYNCS)}")
-        needs_batch = self.policy == "balanced" or self.same_samples
-        if needs_batch and (self.global_batch is None or self.global_batch < 1):
+        if self.policy == "balanced" and (self.global_batch is None or self.global_batch < 1):
             raise ValueError(f"scheduler 'balanced' needs training.globalBatch >= 1, got {self.global_batch}")
-
-
-# Balanced scheduling moves whole samples between ranks; with fewer per rank it cannot even out long clips.
-MIN_SAMPLES_PER_RANK = 4
 
 
 def plan_warnings(config: PlanConfig, dataset_size: int) -> list[str]:
@@ -124,18 +128,11 @@ def plan_warnings(config: PlanConfig, dataset_size: int) -> list[str]:
     by ``wanloom plan``)."""
     out = []
     batch = config.global_batch
-    if batch is not None and (config.policy == "balanced" or config.same_samples):
-        if batch > dataset_size:
-            out.append(
-                f"training.globalBatch {batch} exceeds the dataset's {dataset_size} samples: samples repeat within "
-                "a step; lower globalBatch or add data"
-            )
-        if batch < MIN_SAMPLES_PER_RANK * config.num_ranks:
-            out.append(
-                f"training.globalBatch {batch} gives {batch / config.num_ranks:.2g} samples per data-parallel rank "
-                f"({config.num_ranks} ranks); balancing needs about {MIN_SAMPLES_PER_RANK} or more per rank, "
-                f"so raise globalBatch to >= {MIN_SAMPLES_PER_RANK * config.num_ranks} or expect idle ranks"
-            )
+    if batch is not None and config.policy == "balanced" and batch > dataset_size:
+        out.append(
+            f"training.globalBatch {batch} exceeds the dataset's {dataset_size} samples: samples repeat within "
+            "a step; lower globalBatch or add data"
+        )
     return out
 
 
@@ -195,9 +192,10 @@ class Planner:
         _check_costs(cost_model, self.facts)
         self.batch_sizes = self._batch_sizes(config.policy)
         self._chunks: BucketChunks | None = None
-        if config.policy != "balanced" and not config.same_samples:
+        if config.policy != "balanced":
             group = config.num_ranks if config.layout == "spmd" else 1
             self._chunks = BucketChunks(self.bucket_of, self.batch_sizes * group, config.seed)
+        self._windows: dict[int, list[Assignment]] = {}  # planned windows, by window (their steps' assignments)
 
     def with_cost_model(self, cost_model: CostModel) -> Planner:
         """The same planner (dataset, buckets, sample order) planning with ``cost_model`` (an online refit)."""
@@ -213,13 +211,30 @@ class Planner:
             return paper_batch_sizes(tokens, m_mem, self.compute_budget, self.exponent)
         return equal_token_batch_sizes(tokens, m_mem)
 
-    def step_samples(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Index positions [n] of the step's samples and, for bucket-chunk policies, their rank [n] (else None)."""
+    @property
+    def window_steps(self) -> int:
+        """W: the steps "balanced" plans at once (module docstring); 1 for the other policies."""
         cfg = self.config
-        if self._chunks is None:
-            pos = self._stream.step(step, int(cfg.global_batch or 0))
-            dealt = cfg.policy != "balanced" and cfg.layout == "per-rank"
-            return pos, (np.arange(len(pos)) % cfg.num_ranks if dealt else None)
+        batch = int(cfg.global_batch or 0)
+        # Fewer samples than ranks: a window cannot help. Ranks synchronising once per step are balanced per step.
+        if cfg.policy != "balanced" or batch < cfg.num_ranks or (cfg.layout == "per-rank" and cfg.sync == "step"):
+            return 1
+        wanted = -(-cfg.window_samples_per_rank * cfg.num_ranks // batch)
+        return max(1, min(wanted, len(self.index) // batch))  # never more than an epoch at once
+
+    @functools.cached_property
+    def row_shapes(self) -> RowShapes:
+        """The packed programs of the run (SPMD layout, "balanced"): fixed by the buckets that hold samples."""
+        cfg = self.config
+        mean_tokens = float(self.facts.tokens[self.bucket_of].mean())
+        step_tokens = mean_tokens * int(cfg.global_batch or 0) / cfg.num_ranks
+        return row_shapes(self.facts.tokens[self._present], cfg.memory_budget_tokens, cfg.sequence_multiple,
+                          cfg.max_segments, step_tokens)  # fmt: skip
+
+    def step_samples(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Index positions [n] of a bucket-chunk policy's step and their rank [n] (SPMD: None, one group)."""
+        cfg = self.config
+        assert self._chunks is not None
         if cfg.layout == "spmd":
             _, pos = self._chunks.chunk(step)
             return pos, None
@@ -227,44 +242,63 @@ class Planner:
         owner = np.repeat(np.arange(cfg.num_ranks), [len(c) for c in chunks])
         return np.concatenate(chunks), owner
 
+    def _items(self, pos: np.ndarray, first_step: int) -> StepItems:
+        """The samples at index positions ``pos`` with the routing draw of ``first_step``."""
+        draw = self.router.draw(self.config.seed, first_step, len(pos))
+        timesteps, experts = (draw.timesteps, draw.experts) if hasattr(draw, "timesteps") else draw
+        return StepItems(
+            ids=self.index.ids[pos],
+            bucket=self.bucket_of[pos],
+            expert=np.asarray(experts, dtype=np.int64),
+            timesteps=np.asarray(timesteps, dtype=np.float32),
+        )
+
     def assign(self, step: int) -> Assignment:
         """The decisions of global step ``step`` as arrays: a pure function of the seed, the step and the fixed
         inputs. This is the planning work; ``plan``/``plan_local`` only turn it into objects."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         cfg, facts = self.config, self.facts
+        if cfg.policy == "balanced":
+            window, j = divmod(step, self.window_steps)
+            if window not in self._windows:
+                if len(self._windows) >= 2:
+                    self._windows.pop(min(self._windows))
+                self._windows[window] = self._plan_window(window)
+            return self._windows[window][j]
         pos, owner = self.step_samples(step)
-        draw = self.router.draw(cfg.seed, step, len(pos))
-        timesteps, experts = (draw.timesteps, draw.experts) if hasattr(draw, "timesteps") else draw
-        items = StepItems(
-            ids=self.index.ids[pos],
-            bucket=self.bucket_of[pos],
-            expert=np.asarray(experts, dtype=np.int64),
-            timesteps=np.asarray(timesteps, dtype=np.float32),
-        )
-        if cfg.layout == "spmd" and cfg.policy == "balanced":
-            return packed_assignment(
-                items,
-                cfg.num_ranks,
-                facts,
-                memory_budget_tokens=cfg.memory_budget_tokens,
-                compute_budget=self.compute_budget,
-                exponent=self.exponent,
-                pad_cost=self.cost_model.sample_cost,
-                sequence_multiple=cfg.sequence_multiple,
-            )
+        items = self._items(pos, step)
         if cfg.layout == "spmd":
             return spmd_assignment(items, cfg.num_ranks, facts, self.batch_sizes)
-        if owner is None and cfg.sync == "micro-batch":
-            owner, slot = lockstep_assign(
-                items.bucket, items.expert, facts.cost, facts.cap, cfg.num_ranks, facts.overhead
-            )
-        else:
-            if owner is None:
-                groups = items.expert * len(facts.tokens) + items.bucket
-                owner = balance(facts.cost[items.bucket], groups, cfg.num_ranks, cfg.repair_iters)
-            slot = slots_by_group(items, owner, cfg.num_ranks, facts, self.batch_sizes)
+        slot = slots_by_group(items, owner, cfg.num_ranks, facts, self.batch_sizes)
         return per_rank_assignment(items, owner, slot, cfg.num_ranks)
+
+    def _plan_window(self, window: int) -> list[Assignment]:
+        """The assignments of the window's W steps (module docstring)."""
+        cfg, facts, steps = self.config, self.facts, self.window_steps
+        first = window * steps
+        batch = int(cfg.global_batch or 0)
+        items = self._items(self._stream.take(first * batch, steps * batch), first)
+        # Every step needs a slot: each expert gets at least its share of W slots.
+        experts = np.bincount(items.expert, minlength=2)
+        min_slots = tuple(int(-(-steps * n // len(items.expert))) if n else 0 for n in experts.tolist())
+        if cfg.layout == "spmd":
+            a = packed_assignment(
+                items, cfg.num_ranks, facts, shapes=self.row_shapes, pad_cost=self.cost_model.sample_cost,
+                min_slots=(min_slots[0], min_slots[1]),
+            )  # fmt: skip
+        elif cfg.sync == "micro-batch":
+            owner, slot = lockstep_assign(
+                items.bucket, items.expert, facts.cost, facts.cap, cfg.num_ranks, facts.overhead, min_slots=min_slots
+            )
+            a = per_rank_assignment(items, owner, slot, cfg.num_ranks)
+        else:
+            groups = items.expert * len(facts.tokens) + items.bucket
+            owner = balance(facts.cost[items.bucket], groups, cfg.num_ranks, cfg.repair_iters)
+            a = per_rank_assignment(items, owner, slots_by_group(items, owner, cfg.num_ranks, facts), cfg.num_ranks)
+        if steps == 1:
+            return [a]
+        return split_into_steps(a, steps, np.random.default_rng([cfg.seed, window, _WINDOW_TAG]))
 
     def plan(self, step: int) -> StepPlan:
         """The full plan of global step ``step`` (every rank's micro-batches)."""
@@ -315,9 +349,7 @@ def plan_step(
     return Planner(index, variant, config, cost_model, router, buckets).plan(step)
 
 
-def planner_from_config(
-    config: Any, sample_shapes: Any, cost: CostModel, *, policy: str, layout: str, same_samples: bool = False
-) -> Planner:
+def planner_from_config(config: Any, sample_shapes: Any, cost: CostModel, *, policy: str, layout: str) -> Planner:
     """The planner a run's ``config.TrainConfig`` describes, with ``policy`` and ``layout`` chosen by the caller
     (the trainer: the spec's scheduler; ``wanloom plan``: each policy in turn, on the same samples)."""
     al = config.adaptive_load
@@ -331,7 +363,8 @@ def planner_from_config(
         exponent=al.exponent,
         seed=config.seed,
         sequence_multiple=config.parallel.context * config.parallel.tensor,
-        same_samples=same_samples,
+        window_samples_per_rank=al.window_samples_per_rank,
+        max_segments=max_packed_segments(config.model.wan.dim),
     )
     buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, [b.pixels for b in al.buckets])
     return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)

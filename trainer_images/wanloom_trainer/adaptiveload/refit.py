@@ -6,10 +6,19 @@ its heaviest (rank, slot) cell (``LocalPlan.slot_work``). In both trainer modes 
 FSDP's collectives in every micro-batch (lockstep), one program over all rows (SPMD) — so the slot's time is that
 cell's time plus waiting that the fit treats as noise.
 
-``OnlineRefit`` keeps the latest ``window`` measurements and fits the job's model family (``fit_timings``) beside the
-analytic FLOP model with its overhead and rate fitted to the same data. A fit is accepted only when its k-fold
-held-out error is below the analytic model's: a family that cannot beat FLOP counting on the run's own timings is
-not worth trusting, and is rejected with a warning. A fit no better than the model already in use changes nothing.
+``OnlineRefit`` keeps the latest ``window`` measurements (timings that are not finite and positive are dropped and
+counted) and fits the job's model family (``fit_timings``) beside the analytic FLOP model with its overhead and rate
+fitted to the same data. A refit can only replace the model in use by a model that passes every check:
+
+- the family's fit, when its k-fold held-out error beats the analytic model's (a family that cannot beat FLOP
+  counting on the run's own timings is not worth trusting) and the model in use's, both by ``MARGIN``;
+- else the analytic model refitted, when it beats the model in use by ``MARGIN``;
+- and either only when it is not degenerate (``degenerate``): finite positive costs, the per-sample part explaining
+  at least ``MIN_MARGINAL_SHARE`` of the measured time and an overhead below the median slot time, so that constant
+  or pure-noise timings cannot install a model that ranks every shape alike (on a tiny CPU model the per-sample part
+  is a few per cent of a slot: it still ranks shapes).
+
+Anything else keeps the model in use ("rejected" with a warning, or "kept").
 
 Planning only needs cost *ratios*, so the error of the model in use is measured after one best scale factor: a
 model in S^p units (an exponent from the spec) is judged like one in seconds.
@@ -17,6 +26,7 @@ model in S^p units (an exponent from the spec) is judged like one in seconds.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +46,9 @@ from wanloom_trainer.adaptiveload.cost_model import (
 MIN_MEASUREMENTS = 12
 # A fit must beat its yardstick by 2% (relative) to change plans: near-ties on noisy timings would only churn them.
 MARGIN = 0.98
+# The per-sample costs must explain at least this share of the measured slot times: below it a model is all
+# overhead (a fit to constant or pure-noise timings) and would plan every shape alike.
+MIN_MARGINAL_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -43,14 +56,14 @@ class RefitOutcome:
     """One refit.
 
     Attributes:
-        model: the model to plan with from now on: the accepted fit, or the analytic FLOP model refitted when the
-            fit was rejected but the refitted yardstick beats the model in use; None: keep the model in use.
+        model: the model to plan with from now on (the family's fit, or the analytic FLOP model refitted), checked
+            as the module docstring says; None: keep the model in use.
         measurements: how many slot timings it saw.
         heldout_error: k-fold held-out relative RMS error of the fit (None without a fit).
         analytic_heldout_error: the same for the analytic FLOP model with fitted overhead and rate.
         in_use_error: relative RMS error of the model in use on the same timings, after one best scale factor.
-        verdict: "accepted", "rejected" (worse than the analytic model), "kept" (no better than the model in use),
-            or None (too few measurements to fit).
+        verdict: "accepted", "rejected" (no candidate passed its checks), "kept" (no better than the model in
+            use), or None (too few measurements to fit).
         message: one line for the log.
     """
 
@@ -61,6 +74,20 @@ class RefitOutcome:
     in_use_error: float | None
     verdict: str | None
     message: str
+
+
+def degenerate(model: CostModel, timings: Timings) -> str | None:
+    """Why ``model`` cannot plan from these timings (module docstring), or None."""
+    params = [v for v in model.to_dict().values() if isinstance(v, int | float)]
+    costs = np.asarray(model.sample_cost(np.unique(timings.tokens)), dtype=np.float64)
+    if not all(np.isfinite(params)) or not np.isfinite(costs).all() or (costs <= 0).any():
+        return "it predicts non-finite or non-positive costs"
+    share = float(np.mean(timings.totals(model.sample_cost(timings.tokens)) / timings.seconds))
+    if share < MIN_MARGINAL_SHARE:
+        return f"its per-sample costs explain {share:.2%} of the measured time: it ranks every shape alike"
+    if model.overhead >= float(np.median(timings.seconds)):
+        return f"its overhead {model.overhead:.3g} s is not below the median slot time"
+    return None
 
 
 def scale_free_error(model: CostModel, timings: Timings) -> float:
@@ -83,6 +110,7 @@ class OnlineRefit:
         self.variant, self.kind = variant, kind if kind in ("power", "two-term") else "auto"
         self._work: deque[tuple[int, ...]] = deque(maxlen=window)
         self._seconds: deque[float] = deque(maxlen=window)
+        self.dropped = 0  # timings that were not finite and positive
 
     def __len__(self) -> int:
         return len(self._seconds)
@@ -92,15 +120,19 @@ class OnlineRefit:
         if len(work) != len(seconds):
             raise ValueError(f"{len(work)} slots planned but {len(seconds)} timed")
         for w, t in zip(work, seconds, strict=True):
-            if t > 0 and len(w):
-                self._work.append(tuple(int(x) for x in w))
-                self._seconds.append(float(t))
+            if not len(w):
+                continue
+            if not (np.isfinite(t) and t > 0):  # a stalled or broken timer: never a point to fit
+                self.dropped += 1
+                continue
+            self._work.append(tuple(int(x) for x in w))
+            self._seconds.append(float(t))
 
     def timings(self) -> Timings:
         return Timings.of_work(list(self._work), list(self._seconds))
 
     def refit(self, in_use: CostModel) -> RefitOutcome:
-        """Fit the window; accept the fit only when it beats the analytic model held out."""
+        """Fit the window; replace the model in use only by a candidate that passes its checks (module docstring)."""
         n = len(self)
         timings = self.timings() if n else None
         in_use_error = scale_free_error(in_use, timings) if timings is not None else None
@@ -113,24 +145,30 @@ class OnlineRefit:
             )  # fmt: skip
         fit = fit_timings(timings, kind=self.kind, analytic=self.variant)
         mine, analytic = fit.quality[fit.model.kind].heldout_rmse_rel, fit.quality["flops"].heldout_rmse_rel
+        dropped = f"; {self.dropped} non-finite or non-positive timings dropped" if self.dropped else ""
         summary = (
             f"{fit.model.kind} fit of {n} slot timings: held-out error {mine:.1%} vs {analytic:.1%} for the analytic "
-            f"FLOP model (model in use: {in_use_error:.1%})"
+            f"FLOP model (model in use: {in_use_error:.1%}){dropped}"
         )
-        if mine >= MARGIN * analytic:
-            message = f"cost refit rejected: {summary}"
-            flops = fit.candidates["flops"]
-            if analytic < MARGIN * in_use_error:  # the yardstick itself, refitted, still beats the model in use
-                message += (
-                    f"; planning with the analytic FLOP model refitted (overhead {flops.overhead * 1e3:.3g} ms, "
-                    f"{flops.flops_per_second / 1e9:.4g} GFLOP/s)"
-                )
-                return RefitOutcome(flops, n, mine, analytic, in_use_error, "rejected", message)
-            return RefitOutcome(None, n, mine, analytic, in_use_error, "rejected", message)
-        if mine >= MARGIN * in_use_error:
-            message = f"cost refit kept the model in use: {summary}"
-            return RefitOutcome(None, n, mine, analytic, in_use_error, "kept", message)
-        return RefitOutcome(fit.model, n, mine, analytic, in_use_error, "accepted", f"cost refit accepted: {summary}")
+        outcome = functools.partial(RefitOutcome, measurements=n, heldout_error=mine, analytic_heldout_error=analytic,
+                                    in_use_error=in_use_error)  # fmt: skip
+        if mine < MARGIN * analytic:
+            if mine >= MARGIN * in_use_error:
+                return outcome(None, verdict="kept", message=f"cost refit kept the model in use: {summary}")
+            why = degenerate(fit.model, timings)
+            if why is None:
+                return outcome(fit.model, verdict="accepted", message=f"cost refit accepted: {summary}")
+            return outcome(None, verdict="rejected", message=f"cost refit rejected ({why}): {summary}")
+        flops = fit.candidates["flops"]
+        why = degenerate(flops, timings)
+        if analytic < MARGIN * in_use_error and why is None:
+            message = (
+                f"cost refit accepted the analytic FLOP model refitted (overhead {flops.overhead * 1e3:.3g} ms, "
+                f"{flops.flops_per_second / 1e9:.4g} GFLOP/s): {summary}"
+            )
+            return outcome(flops, verdict="accepted", message=message)
+        reason = f"the refitted analytic model: {why}" if why else "no better than the analytic model"
+        return outcome(None, verdict="rejected", message=f"cost refit rejected ({reason}): {summary}")
 
 
 _KIND_CODES = {"power": 1.0, "two-term": 2.0, "flops": 3.0}

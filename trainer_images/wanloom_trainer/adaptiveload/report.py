@@ -1,40 +1,42 @@
 """``wanloom plan FILE [--shapes CSV] [--bench BENCH] [--json]``: what AdaptiveLoad will do with a TrainingJob's data.
 
 Prints the bucket table with every policy's batch sizes, the cost model (and its fit quality when it comes from a
-shape benchmark), and the predicted compute-load CV, padding, idle fraction and throughput of the equal-token
-baseline, the paper's rule and the balanced scheduler over the first steps of the job's own data order. The
-simulation runs the layout the job's backend runs (JAX: SPMD, balanced = packed rows; PyTorch: per-rank micro-batches
-in lockstep) and gives every policy the same samples per step (``PlanConfig.same_samples``).
+shape benchmark), and the predicted throughput, load CV, padding, idle share and compiled step shapes of the bucket
+sampler users would otherwise run, the same sampler with the paper's batch sizes, and the balanced scheduler, each
+consuming the same sample stream: the job's own data order and routing (``adaptiveload.compare``). The simulation
+runs the mode the job's backend runs (JAX: SPMD, balanced = packed rows; PyTorch: per-rank micro-batches in
+lockstep).
 
 The samples' shapes come from ``--shapes`` (a CSV of pixel sizes), else the job's dataset index, else the synthetic
 dataset ``spec.data.synthetic`` would write (so a job can be planned before its data exists).
 
 The cost model comes from ``cost_source.resolve_cost_model``; with ``--bench`` a missing benchmark entry is
-measured first on this machine.
+measured first on this machine by the ``measure`` the caller passes (the CLI: ``train.bench_step``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from wanloom_trainer.adaptiveload.batch_size import equal_token_batch_sizes, paper_batch_sizes
-from wanloom_trainer.adaptiveload.cost_model import CostModel
+from wanloom_trainer.adaptiveload.compare import BASELINE, PolicyResult, compare
 from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
 from wanloom_trainer.adaptiveload.planner import Planner, planner_from_config
-from wanloom_trainer.adaptiveload.simulate import SimResult, simulate
 
-PLAN_STEPS = 32
-
-
-POLICIES = ("equal-tokens", "paper", "balanced")
+# The compared stream: at least this many samples per rank (whole planning windows), so that the samplers' short
+# last chunk per queue weighs what it would in an epoch of that length.
+COMPARE_SAMPLES_PER_RANK = 1024
 
 
-def _planner(config: Any, shapes: Any, cost: CostModel, policy: str) -> Planner:
-    layout = "spmd" if config.backend == "jax" else "per-rank"
-    return planner_from_config(config, shapes, cost, policy=policy, layout=layout, same_samples=True)
+def compare_steps(planner: Planner, samples_per_rank: int = COMPARE_SAMPLES_PER_RANK) -> int:
+    """Steps of the compared stream: ``samples_per_rank`` per rank, rounded up to whole planning windows."""
+    cfg, window = planner.config, planner.window_steps
+    steps = -(-samples_per_rank * cfg.num_ranks // int(cfg.global_batch or 1))
+    return -(-steps // window) * window
 
 
 def plan_mode(planner: Planner) -> str:
@@ -68,54 +70,70 @@ def plan_shapes(config: Any, shapes_csv: Path | None = None) -> Any:
     return SampleShapes.from_arrays(latent_shapes_for_pixels(variant, pixels))
 
 
-def bucket_table(planner: Planner) -> str:
-    """One line per non-empty bucket: shape, tokens, samples, memory cap and each policy's batch size."""
+def bucket_rows(planner: Planner) -> list[dict[str, Any]]:
+    """Every non-empty bucket: latent shape, tokens, samples, share, memory cap, each sampler's batch size and the
+    cost model's per-sample cost."""
     f, m_mem = planner.facts, planner.config.memory_budget_tokens
     counts = np.bincount(planner.bucket_of, minlength=len(f.tokens))
     present = np.flatnonzero(counts)
     equal = equal_token_batch_sizes(f.tokens[present], m_mem)
     paper = paper_batch_sizes(f.tokens[present], m_mem, planner.compute_budget, planner.exponent)
+    return [
+        {
+            "latent_shape": [int(x) for x in f.shapes[b]],
+            "tokens": int(f.tokens[b]),
+            "samples": int(counts[b]),
+            "share": float(counts[b] / counts.sum()),
+            "cap": int(f.cap[b]),
+            "batch_bucket_sampler": int(equal[i]),
+            "batch_paper": int(paper[i]),
+            "cost_per_sample": float(f.cost[b]),
+        }
+        for i, b in enumerate(present.tolist())
+    ]
+
+
+def bucket_table(planner: Planner) -> str:
+    """``bucket_rows`` as a table."""
     lines = [
         f"{'latent (T,H,W)':>16} {'tokens':>8} {'samples':>9} {'share':>6} {'cap':>5} "
-        f"{'B equal':>8} {'B paper':>8} {'cost/sample':>12}"
+        f"{'B sampler':>9} {'B paper':>8} {'cost/sample':>12}"
     ]
-    for i, b in enumerate(present.tolist()):
-        shape = "x".join(str(x) for x in f.shapes[b])
+    for r in bucket_rows(planner):
+        shape = "x".join(str(x) for x in r["latent_shape"])
         lines.append(
-            f"{shape:>16} {f.tokens[b]:>8,} {counts[b]:>9,} {counts[b] / counts.sum():>6.1%} {f.cap[b]:>5} "
-            f"{equal[i]:>8} {paper[i]:>8} {f.cost[b]:>12.4g}"
+            f"{shape:>16} {r['tokens']:>8,} {r['samples']:>9,} {r['share']:>6.1%} {r['cap']:>5} "
+            f"{r['batch_bucket_sampler']:>9} {r['batch_paper']:>8} {r['cost_per_sample']:>12.4g}"
         )
     return "\n".join(lines)
 
 
-def policy_table(results: dict[str, SimResult], chosen: str) -> str:
-    base = results["equal-tokens"].tokens_per_second
+def policy_table(results: dict[str, PolicyResult]) -> str:
+    base = results[BASELINE].tokens_per_second
     lines = [
-        f"{'policy':14} {'load CV':>8} {'padding':>8} {'idle':>6} {'step time':>10} {'tokens/s':>12} {'vs equal':>9} "
-        f"{'slots':>6}"
+        f"{'policy':15} {'throughput':>10} {'load CV':>8} {'padding':>8} {'idle':>6} {'shapes':>7} {'tokens/s':>12}"
     ]
     for name, r in results.items():
-        mark = " *" if name == chosen else ""
         lines.append(
-            f"{name + mark:14} {r.mean_cv:>8.1%} {r.padding_fraction:>8.1%} {r.idle_fraction:>6.1%} "
-            f"{r.mean_step_time:>10.4g} {r.tokens_per_second:>12,.0f} {r.tokens_per_second / base:>8.2f}x "
-            f"{r.mean_slots:>6.1f}"
+            f"{name:15} {r.tokens_per_second / base:>9.2f}x {r.load_cv:>8.1%} {r.padding_fraction:>8.1%} "
+            f"{r.idle_fraction:>6.1%} {r.compiled_shapes:>7} {r.tokens_per_second:>12,.0f}"
         )
     return "\n".join(lines)
 
 
-def policies_json(results: dict[str, SimResult]) -> dict[str, dict[str, float]]:
-    base = results["equal-tokens"].tokens_per_second
-    return {
-        name: {
-            "load_cv": r.mean_cv,
-            "padding_fraction": r.padding_fraction,
-            "idle_fraction": max(0.0, r.idle_fraction),  # not -1e-17 from rounding
-            "throughput_vs_equal_tokens": r.tokens_per_second / base,
-            "micro_batches_per_rank": r.mean_slots,
-        }
-        for name, r in results.items()
-    }
+def policies_json(results: dict[str, PolicyResult]) -> dict[str, dict[str, float]]:
+    return {name: r.to_json(results[BASELINE]) for name, r in results.items()}
+
+
+def comparison_warnings(results: dict[str, PolicyResult]) -> list[str]:
+    """Said once, where the balanced scheduler is predicted slower than the bucket sampler."""
+    ratio = results["balanced"].tokens_per_second / results[BASELINE].tokens_per_second
+    if ratio >= 1.0:
+        return []
+    return [
+        f"spec.adaptiveLoad.scheduler balanced is predicted at {ratio:.2f}x the bucket sampler on this data: "
+        "balancing cannot help here; set spec.adaptiveLoad.scheduler: equal-tokens (one bucket per micro-batch)"
+    ]
 
 
 def _expert_share_line(config: Any) -> str:
@@ -133,13 +151,14 @@ def _expert_share_line(config: Any) -> str:
 def run_plan(
     trainingjob_path: str | Path,
     bench: Path | None = None,
-    steps: int = PLAN_STEPS,
     *,
     shapes_csv: Path | None = None,
     as_json: bool = False,
+    measure: Callable[[Any, Any], Any] | None = None,
 ) -> str:
     """The report of ``wanloom plan`` for a TrainingJob file (see the module docstring); ``as_json``: one JSON
-    object ``{"mode", "ranks", "expert_share", "policies": {policy: {...}}}``."""
+    object ``{"mode", "ranks", "samples_per_rank", "expert_share", "baseline", "policies": {policy: {...}},
+    "buckets", ...}``."""
     import json
 
     from wanloom_api.metrics import EXPERT_LABELS
@@ -148,11 +167,12 @@ def run_plan(
 
     config = from_trainingjob(load_trainingjob_file(trainingjob_path), {})
     shapes = plan_shapes(config, shapes_csv)
-    cost = resolve_cost_model(config, bench, shapes, measure=bench is not None)
-    chosen = config.adaptive_load.scheduler if config.adaptive_load.enabled else "equal-tokens"
-    planners = {p: _planner(config, shapes, cost.model, p) for p in POLICIES}
-    results = {p: simulate(pl, min(steps, config.steps)) for p, pl in planners.items()}
-    pl = planners[chosen]
+    cost = resolve_cost_model(config, bench, shapes, measure=measure)
+    layout = "spmd" if config.backend == "jax" else "per-rank"
+    pl = planner_from_config(config, shapes, cost.model, policy="balanced", layout=layout)
+    steps = compare_steps(pl)
+    results = compare(pl, steps)
+    warnings = [*pl.warnings, *comparison_warnings(results)]
     if as_json:
         shares = config.routing.expected_shares()
         return json.dumps(
@@ -160,10 +180,15 @@ def run_plan(
                 "mode": plan_mode(pl),
                 "ranks": pl.config.num_ranks,
                 "samples_per_step": pl.config.global_batch,
+                "samples_per_rank": pl.config.global_batch / pl.config.num_ranks,
+                "window_steps": pl.window_steps,
+                "compared_steps": steps,
                 "expert_share": {EXPERT_LABELS[e]: float(shares[e]) if e < len(shares) else 0.0 for e in (0, 1)},
-                "scheduler": chosen,
+                "scheduler": config.adaptive_load.scheduler if config.adaptive_load.enabled else "equal-tokens",
+                "baseline": BASELINE,
                 "policies": policies_json(results),
-                "warnings": pl.warnings,
+                "buckets": bucket_rows(pl),
+                "warnings": warnings,
             }
         )
     head = [
@@ -173,16 +198,17 @@ def run_plan(
         f"M_comp = {pl.compute_budget:.4g}",
         f"cost model: {cost.description}",
         _expert_share_line(config),
+        f"balanced plans {pl.window_steps} step(s) of {pl.config.global_batch} samples at once",
     ]
     if cost.fit is not None:
         head.append(cost.fit.summary())
-    head.extend(f"WARNING: {w}" for w in pl.warnings)
+    head.extend(f"WARNING: {w}" for w in warnings)
     body = [
         "",
         bucket_table(pl),
         "",
-        f"predicted over {results[chosen].steps} steps, {pl.config.global_batch} samples each for every policy "
-        "(* = spec.adaptiveLoad.scheduler; times in cost-model units; load CV over useful compute):",
-        policy_table(results, chosen),
+        f"predicted over the same stream ({steps} steps of {pl.config.global_batch} samples; throughput relative to "
+        f"the {BASELINE}; load CV over each slot's useful compute; shapes: step programs needed):",
+        policy_table(results),
     ]
     return "\n".join(head + body)

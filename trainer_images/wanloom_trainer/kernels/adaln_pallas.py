@@ -45,6 +45,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from wanloom_trainer.kernels.adaln_shapes import (
+    PALLAS_LANES,
+    PALLAS_MAX_ROWS,
+    PALLAS_TILE_BYTES,
+    PALLAS_VMEM_LIMIT_BYTES,
     AdaLNLayout,
     adaln_layout,
     check_dtypes,
@@ -52,13 +56,11 @@ from wanloom_trainer.kernels.adaln_shapes import (
     check_segment_dtype,
 )
 
-_LANES = 128
+_LANES = PALLAS_LANES
 _ACC_SUBLANES = 8
-# Bytes of one fp32 (tn, D) tile: the kernels hold a few such temporaries plus double-buffered inputs and outputs,
-# which must fit the scoped VMEM limit below (TPU v7x: 64 MiB VMEM per TensorCore).
-_TILE_BYTES = 2 * 1024 * 1024
-_MAX_ROWS = 1024
-_VMEM_LIMIT_BYTES = 48 * 1024 * 1024
+_TILE_BYTES = PALLAS_TILE_BYTES
+_MAX_ROWS = PALLAS_MAX_ROWS
+_VMEM_LIMIT_BYTES = PALLAS_VMEM_LIMIT_BYTES
 _EXACT = jax.lax.Precision.HIGHEST  # fp32 one-hot products must not round the modulation through bf16 passes
 
 Interpret = bool | pltpu.InterpretParams | None

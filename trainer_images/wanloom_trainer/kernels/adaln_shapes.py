@@ -20,6 +20,29 @@ from dataclasses import dataclass
 
 X_DTYPES = ("float32", "bfloat16", "float16")
 
+# The Pallas (TPU) kernel's blocking, here so that the planner can size packed rows without importing jax.
+PALLAS_LANES = 128
+# Bytes of one fp32 (tn, D) tile: the kernels hold a few such temporaries plus double-buffered inputs and outputs,
+# which must fit the scoped VMEM limit below (TPU v7x: 64 MiB VMEM per TensorCore).
+PALLAS_TILE_BYTES = 2 * 1024 * 1024
+PALLAS_MAX_ROWS = 1024
+PALLAS_VMEM_LIMIT_BYTES = 48 * 1024 * 1024
+# The backward's row blocks (x, dy, dx double-buffered and its fp32 temporaries), in (tn, Dp) fp32 tiles.
+_ROW_TILES = 10
+
+
+def max_packed_segments(dim: int) -> int:
+    """The most segment slots a packed row may have for the Pallas backward to fit its VMEM limit at model width
+    ``dim``: a power of two. Per padded segment the backward keeps the row's scale table (double-buffered), the
+    d_scale/d_shift accumulators (written back double-buffered) and their per-block products, ``8·Dp`` fp32, plus
+    two one-hot columns of the block, ``2·tn`` fp32; the row blocks take ``_ROW_TILES`` fp32 ``(tn, Dp)`` tiles."""
+    d_pad = -(-dim // PALLAS_LANES) * PALLAS_LANES
+    rows = max(PALLAS_LANES, min(PALLAS_MAX_ROWS, PALLAS_TILE_BYTES // (4 * d_pad)) // PALLAS_LANES * PALLAS_LANES)
+    free = PALLAS_VMEM_LIMIT_BYTES - _ROW_TILES * rows * d_pad * 4
+    per_segment = (8 * d_pad + 2 * rows) * 4
+    fit = max(PALLAS_LANES, free // per_segment // PALLAS_LANES * PALLAS_LANES)  # tables are padded to 128 rows
+    return 1 << (int(fit).bit_length() - 1)
+
 
 @dataclass(frozen=True)
 class AdaLNLayout:

@@ -1,8 +1,9 @@
 """The shape benchmark's step: one optimizer step of the job's own backend on synthetic rows.
 
-``wanloom plan --bench`` times this over a grid of (B, latent shape) (``adaptiveload.shape_bench``) to fit the
-cost model. It runs what the trainer runs — the job's mesh and sharding (FSDP2 / the SPMD program), kernels,
-attention, remat, precision and AdamW update — so the fitted costs include the collectives and the kernels' real
+``wanloom plan --bench`` times this over a grid of (B, latent shape) (``measure_shape_bench``; the grid and the fit
+are ``adaptiveload.shape_bench``'s) and hands AdaptiveLoad the timing points to fit its cost model. It runs what
+the trainer runs — the job's mesh and sharding (FSDP2 / the SPMD program), kernels, attention, remat, precision and
+AdamW update — so the fitted costs include the collectives and the kernels' real
 speed; an unsharded model on one device would leave both out. Every data-parallel rank this process feeds gets
 B rows of the shape; both experts exist, the high-noise one is stepped.
 """
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from wanloom_trainer.adaptiveload.buckets import derive_buckets
+from wanloom_trainer.adaptiveload.shape_bench import BenchPoint, run_shape_bench, shape_grid
 from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
 
 
@@ -60,3 +63,30 @@ class BackendStep:
         )
         # train_step returns host floats (loss, gradient norm): the device has finished the step.
         self.state, _ = self.backend.train_step(self.state, inputs)
+
+
+def measure_shape_bench(config: Any, sample_shapes: Any) -> list[BenchPoint]:
+    """Time the job's own training step (its backend, mesh and kernels) over the shape grid of its buckets, on this
+    machine's device of the job's kind (``config``: ``config.TrainConfig``; ``sample_shapes``: the dataset's)."""
+    if not _on_job_devices(config):
+        raise ValueError(
+            f"the shape benchmark must run on the job's {config.accelerator_type or config.accelerator} devices; "
+            "run `wanloom plan --bench FILE` where they are (e.g. in a trainer pod), or drop --bench to plan "
+            "with the analytic FLOP model"
+        )
+    variant = config.model.wan
+    shapes = derive_buckets(sample_shapes.latent_shapes).latent_shapes.tolist()
+    grid = shape_grid(variant, shapes, config.adaptive_load.memory_budget_tokens)
+    return run_shape_bench(BackendStep(config), grid, variant, warmup=1, repeats=3)
+
+
+def _on_job_devices(config: Any) -> bool:
+    if config.accelerator == "cpu":
+        return True
+    if config.backend == "torch":
+        import torch
+
+        return config.accelerator == "gpu" and torch.cuda.is_available()
+    import jax
+
+    return jax.default_backend() == config.accelerator

@@ -4,8 +4,9 @@ What is compiled is what the trainer runs: the job's mesh (data × fsdp × conte
 devices, a hybrid mesh across slices), its remat policy, kernels and attention, and for every shape bucket the
 micro-batch AdaptiveLoad gives one data-parallel rank (``memoryBudgetTokens // tokens`` rows, padded to a power of
 two as the backend pads them); with the balanced scheduler the trainer packs (``adaptiveload.packing``), so the
-packed program is compiled too, at its largest geometry: one row of ``memoryBudgetTokens`` tokens per rank, as many
-segment slots as the smallest bucket can fill, the longest bucket as the segment bound. Both experts share one
+packer's two programs are compiled too (``packing.row_shapes``): long rows of ``memoryBudgetTokens`` tokens and
+short rows of a quarter of that per rank, with as many segment slots as the smallest bucket can fill up to the
+AdaLN kernel's VMEM cap (``kernels.adaln_shapes.max_packed_segments``). Both experts share one
 architecture and so one program: the gradient accumulation
 (forward + backward of a slot) and the AdamW update are compiled once each and their memory is added to what stays
 resident, both experts' parameters and optimizer states. No parameter is allocated.
@@ -48,10 +49,11 @@ REFERENCE_PIXELS = {
 class ProgramMemory:
     """One compiled program at one micro-batch shape."""
 
-    program: str  # "accumulate" (forward + backward of one slot) or "update" (AdamW)
+    program: str  # "accumulate" (forward + backward of one slot), "accumulate-packed[-short]" or "update" (AdamW)
     latent_shape: tuple[int, int, int]
     rows_per_rank: int
     tokens_per_row: int
+    segments_per_row: int  # packed: segment slots per row (samples + padding); 1 otherwise
     compile_seconds: float
     argument_bytes: int
     output_bytes: int
@@ -99,16 +101,16 @@ class CompileReport:
             f"resident per device (both experts: parameters + optimizer state): {gib(self.resident_bytes)}; "
             f"capacity {gib(self.capacity_bytes_per_device)} per device (tpu7x: {gib(_TPU7X.hbm_bytes)} per chip, "
             f"{_TPU7X.devices_per_chip} devices)",
-            "| program | latent T'×H'×W' | rows/rank × tokens | compile s | arguments | temporaries | peak/device "
-            "| fits |",
-            "|---|---|---|---|---|---|---|---|",
+            "| program | latent T'×H'×W' | rows/rank × tokens | segments | compile s | arguments | temporaries "
+            "| peak/device | fits |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for p in self.programs:
             fits = "yes" if p.peak_bytes <= self.capacity_bytes_per_device else "NO"
             lines.append(
                 f"| {p.program} | {'×'.join(map(str, p.latent_shape))} | {p.rows_per_rank} × {p.tokens_per_row:,} | "
-                f"{p.compile_seconds:.1f} | {gib(p.argument_bytes)} | {gib(p.temp_bytes)} | {gib(p.peak_bytes)} | "
-                f"{fits} |"
+                f"{p.segments_per_row} | {p.compile_seconds:.1f} | {gib(p.argument_bytes)} | {gib(p.temp_bytes)} | "
+                f"{gib(p.peak_bytes)} | {fits} |"
             )
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"peak {gib(self.peak_bytes_per_device)} per device: {verdict}")
@@ -206,13 +208,16 @@ def _packed_batch(backend: Any, config: TrainConfig, row_tokens: int, groups: in
     return batch
 
 
-def packed_geometry(config: TrainConfig, tokens: np.ndarray) -> tuple[int, int, int]:
-    """(row tokens, segment slots, longest segment) of the largest packed program over buckets of ``tokens``."""
+def packed_programs(config: TrainConfig, tokens: np.ndarray) -> list[tuple[str, int, int, int]]:
+    """(program, row tokens, segment slots, longest segment) of the packer's programs over buckets of ``tokens``."""
+    from wanloom_trainer.adaptiveload.packing import row_shapes
+    from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
+
     multiple = config.parallel.context * config.parallel.tensor
-    row = -(-config.adaptive_load.memory_budget_tokens // multiple) * multiple
-    groups = 1 << int(row // int(tokens.min())).bit_length()  # as many samples as fit, plus the padding slot
-    longest = min(row, 1 << (int(tokens.max()) - 1).bit_length())
-    return row, groups, longest
+    segments = max_packed_segments(config.model.wan.dim)
+    shapes = row_shapes(tokens, config.adaptive_load.memory_budget_tokens, multiple, segments)
+    long, short = shapes.programs()
+    return [("accumulate-packed", *long), ("accumulate-packed-short", *short)]
 
 
 def _memory(compiled: Any) -> tuple[int, int, int, int]:
@@ -274,22 +279,23 @@ def compile_job(
         peak = resident - param_bytes + args + temp + out - alias
         seconds = time.perf_counter() - start
         shape = (int(latent[0]), int(latent[1]), int(latent[2]))
-        programs.append(ProgramMemory("accumulate", shape, rows, int(tokens), seconds, args, out, alias, temp, peak))
+        programs.append(ProgramMemory("accumulate", shape, rows, int(tokens), 1, seconds, args, out, alias, temp, peak))
     if config.adaptive_load.enabled and config.adaptive_load.scheduler == "balanced":
-        row, groups, longest = packed_geometry(config, tokens_for_latents(config.model.wan, shapes))
-        start = time.perf_counter()
-        batch = _packed_batch(backend, config, row, groups)
-        lowered = backend.step_fns.accumulate.lower(params, params, batch, longest)
-        args, out, alias, temp = _memory(lowered.compile())
-        peak = resident - param_bytes + args + temp + out - alias
-        seconds = time.perf_counter() - start
-        programs.append(ProgramMemory("accumulate-packed", (0, 0, 0), 1, row, seconds, args, out, alias, temp, peak))
+        for name, row, groups, longest in packed_programs(config, tokens_for_latents(config.model.wan, shapes)):
+            start = time.perf_counter()
+            batch = _packed_batch(backend, config, row, groups)
+            lowered = backend.step_fns.accumulate.lower(params, params, batch, longest)
+            args, out, alias, temp = _memory(lowered.compile())
+            peak = resident - param_bytes + args + temp + out - alias
+            seconds = time.perf_counter() - start
+            programs.append(ProgramMemory(name, (0, 0, 0), 1, row, groups, seconds, args, out, alias, temp, peak))
     start = time.perf_counter()
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=backend.shardings.replicated)
     compiled = backend.step_fns.update.lower(params, opt, params, lr).compile()
     args, out, alias, temp = _memory(compiled)
     peak = resident - param_bytes - opt_bytes + args + temp + out - alias
-    programs.append(ProgramMemory("update", (0, 0, 0), 0, 0, time.perf_counter() - start, args, out, alias, temp, peak))
+    seconds = time.perf_counter() - start
+    programs.append(ProgramMemory("update", (0, 0, 0), 0, 0, 0, seconds, args, out, alias, temp, peak))
     mesh = {name: int(size) for name, size in backend.mesh.shape.items()}
     capacity = capacity_bytes or HBM_BYTES_PER_DEVICE["tpu7x"]
     return CompileReport(

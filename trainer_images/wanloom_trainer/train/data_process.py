@@ -211,7 +211,9 @@ def _serve(pipeline: Pipeline, log_level: int, steps: Any, events: Any, control:
         closers.append(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=pipeline.layout)
         restored = [(int(first), cost_model_from_dict(doc)) for first, doc in pipeline.changes]
-        schedule = CostSchedule(planner.cost_model, start=start, lag=pipeline.lag, changes=restored)
+        schedule = CostSchedule(
+            planner.cost_model, start=start, lag=pipeline.lag, changes=restored, window=planner.window_steps
+        )
         closers.append(schedule.close)
         listener = threading.Thread(target=_listen, args=(control, schedule, stop), name="wanloom-data-control")
         listener.start()

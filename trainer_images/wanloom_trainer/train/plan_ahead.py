@@ -69,12 +69,24 @@ class CostSchedule:
     has been made, i.e. once step s − lag is done; with ``lag`` beyond the planning and prefetch depth it never
     waits. ``changes`` (from_step, model) come from a checkpoint, so a resumed run plans its next steps with the
     model the interrupted run had chosen for them. Without refits (``lag`` None) nothing ever waits.
+
+    The planner plans ``window`` steps at once (``Planner.window_steps``): a step is planned with the model in force
+    at its window's first step, so a change takes effect at the first window boundary from its step on and a window
+    is never split between two models (its samples are dealt to its steps by the plan).
     """
 
-    def __init__(self, initial: Any, *, start: int, lag: int | None, changes: Iterable[tuple[int, Any]] = ()) -> None:
+    def __init__(
+        self,
+        initial: Any,
+        *,
+        start: int,
+        lag: int | None,
+        changes: Iterable[tuple[int, Any]] = (),
+        window: int = 1,
+    ) -> None:
         if lag is not None and lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
-        self.lag = lag
+        self.lag, self.window = lag, window
         self._changes = [(0, initial), *sorted(changes, key=lambda c: c[0])]
         self._done = start - 1  # last step whose decision is known
         self._cond = threading.Condition()
@@ -84,7 +96,8 @@ class CostSchedule:
         with self._cond:
             if self.lag is not None:
                 self._cond.wait_for(lambda: self._done >= step - self.lag)
-            return next(model for first, model in reversed(self._changes) if first <= step)
+            planned_at = step - step % self.window
+            return next(model for first, model in reversed(self._changes) if first <= planned_at)
 
     def decide(self, step: int, model: Any | None) -> None:
         """Step ``step`` is done; ``model`` (or None: no change) plans from step + lag on."""

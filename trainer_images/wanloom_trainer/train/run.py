@@ -194,7 +194,9 @@ class _Loop:
 
         changes = meta.get("cost_models", [])
         restored = [(int(first), cost_model_from_dict(doc)) for first, doc in changes]
-        self.schedule = CostSchedule(self.planner.cost_model, start=start, lag=self.refit_lag, changes=restored)
+        self.schedule = CostSchedule(
+            self.planner.cost_model, start=start, lag=self.refit_lag, changes=restored, window=self.planner.window_steps
+        )
         # Planning, loading and row building run in a process of their own (train/data_process.py).
         metrics = self.reporter.metrics
         pipeline = Pipeline(self.config, self.ranks, start, LAYOUTS[self.backend.name], self.refit_lag, changes,

@@ -1,0 +1,251 @@
+"""AdaptiveLoad against the sampler users would otherwise run, by throughput over one sample stream.
+
+Policies (``POLICIES``), each consuming the same stream: the (bucket, expert) of every sample of the balanced
+planner's first ``steps`` steps (the job's data order and routing draws):
+
+- ``bucket-sampler`` — the baseline, the sampler of Open-Sora, musubi-tuner, DiffSynth-Studio and VideoX-Fun: one
+  queue per (bucket, expert); every micro-batch holds B = ⌊M_mem / S_b⌋ samples of one queue, the queue drawn in
+  proportion to the samples it has left. Per-rank mode (PyTorch, FSDP in lockstep): a slot runs one expert on every
+  rank (FSDP's collectives must match; the expert drawn in proportion to what it has left), each rank draws its own
+  bucket, and the slot lasts as long as its slowest rank. SPMD mode (JAX on TPU): one queue per slot for all
+  devices, R·B_b samples, one step program per bucket shape; its rows are identical, so its time is
+  Σ_chunks (B_b·c_b + a).
+- ``paper`` — the same sampler with the paper's B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋)).
+- ``balanced`` — the trainer's own planner (``Planner``, scheduler "balanced"), steps of ``globalBatch`` samples.
+
+The samplers run the stream as they would an epoch: in SPMD mode a queue's last, short chunk is padded to its
+program's rows (``steady_state=True`` charges it pro rata instead, as if a long epoch had filled it); in per-rank
+mode a queue's last micro-batch is short, and the stream's tail — the slots in which some rank finds its expert's
+queues empty — is left out (the next epoch would fill them), which favours the sampler. Compute is the cost model's
+(``CostModel.sample_cost`` per sample, ``overhead`` per micro-batch call); tokens/s is Σ tokens / Σ time.
+
+Reported per policy (``PolicyResult``): throughput relative to the bucket sampler; load CV (CV across ranks of each
+slot's useful compute, time-weighted over slots: what makes ranks wait in lockstep and SPMD); padding (share of
+compute on padding rows, padding tokens and dummy micro-batches); idle (share of rank-time spent waiting);
+compiled shapes (distinct step-program shapes the policy needs over the stream: per-rank (bucket, rows), packed
+(row tokens, segment slots, longest segment)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from wanloom_trainer.adaptiveload.batch_size import equal_token_batch_sizes, paper_batch_sizes
+from wanloom_trainer.adaptiveload.layout import cost_grid
+from wanloom_trainer.adaptiveload.planner import Planner
+
+BASELINE = "bucket-sampler"
+POLICIES = (BASELINE, "paper", "balanced")
+_SAMPLER_TAG = 0x5A3B  # the samplers' queue draws, apart from every other consumer of the seed
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy over the stream; times in the cost model's unit."""
+
+    policy: str
+    tokens: int
+    time: float
+    load_cv: float
+    padding_fraction: float
+    idle_fraction: float
+    compiled_shapes: int
+    shapes_per_expert: tuple[int, int]
+    micro_batches_per_rank: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.time if self.time > 0 else 0.0
+
+    def to_json(self, baseline: PolicyResult) -> dict[str, float]:
+        return {
+            "throughput_vs_baseline": self.tokens_per_second / baseline.tokens_per_second,
+            "load_cv": self.load_cv,
+            "padding_fraction": self.padding_fraction,
+            "idle_fraction": self.idle_fraction,
+            "compiled_shapes": self.compiled_shapes,
+        }
+
+
+@dataclass
+class _Tally:
+    """Running totals over slots: slot work per rank → time, useful and padding compute, CV."""
+
+    overhead: float
+    time: float = 0.0
+    useful: float = 0.0
+    padding: float = 0.0
+    rank_time: float = 0.0
+    weighted_cv: float = 0.0
+    slots: int = 0
+    ranks: int = 0
+
+    def slot(self, useful: np.ndarray, padding: np.ndarray | float = 0.0) -> None:
+        """One lockstep/SPMD slot: useful [R] and padding [R] compute of every rank."""
+        busy = useful + padding
+        t = float(busy.max()) + self.overhead
+        mean = float(useful.mean())
+        cv = float(useful.std() / mean) if mean > 0 else 0.0
+        self.time += t
+        self.weighted_cv += cv * t
+        self.useful += float(useful.sum())
+        self.padding += float(np.sum(padding))
+        self.rank_time += t * len(useful)
+        self.slots += 1
+        self.ranks = len(useful)
+
+    def result(self, policy: str, tokens: int, shapes: set, shapes_per_expert: tuple[int, int]) -> PolicyResult:
+        compute = self.useful + self.padding
+        busy = compute + self.overhead * self.slots * self.ranks
+        return PolicyResult(
+            policy=policy,
+            tokens=tokens,
+            time=self.time,
+            load_cv=self.weighted_cv / self.time if self.time > 0 else 0.0,
+            padding_fraction=self.padding / compute if compute > 0 else 0.0,
+            idle_fraction=max(0.0, 1.0 - busy / self.rank_time) if self.rank_time > 0 else 0.0,
+            compiled_shapes=len(shapes),
+            shapes_per_expert=shapes_per_expert,
+            micro_batches_per_rank=float(self.slots),
+        )
+
+
+def stream_of(planner: Planner, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket int64 [N], expert int64 [N]) of every sample of the planner's first ``steps`` steps, in order."""
+    buckets, experts = [], []
+    for step in range(steps):
+        a = planner.assign(step)
+        buckets.append(a.rows.bucket[a.real])
+        experts.append(a.rows.expert[a.real])
+    return np.concatenate(buckets).astype(np.int64), np.concatenate(experts).astype(np.int64)
+
+
+def balanced(planner: Planner, steps: int) -> PolicyResult:
+    """The trainer's planner over its first ``steps`` steps."""
+    facts = planner.facts
+    tally, tokens, shapes = _Tally(facts.overhead), 0, set()
+    per_expert: tuple[set, set] = (set(), set())
+    for step in range(steps):
+        a = planner.assign(step)
+        grid = cost_grid(a, facts)
+        useful = np.zeros_like(grid)
+        np.add.at(useful, (a.owner[a.real], a.slot[a.real]), facts.cost[a.rows.bucket[a.real]])
+        for k in range(a.num_slots):
+            tally.slot(useful[:, k], grid[:, k] - useful[:, k])
+        tokens += int(facts.tokens[a.rows.bucket[a.real]].sum())
+        for key, expert in _program_shapes(a):
+            shapes.add(key)
+            per_expert[expert].add(key)
+    return tally.result("balanced", tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
+
+
+def _program_shapes(a) -> list[tuple[tuple, int]]:  # type: ignore[no-untyped-def]
+    """(shape key, expert) of every micro-batch program of an assignment."""
+    if a.packed is not None:
+        p = a.packed
+        return [
+            (("packed", int(p.row_tokens[k]), int(p.groups[k]), int(p.max_segment_tokens[k])), int(a.slot_expert[k]))
+            for k in range(a.num_slots)
+        ]
+    cells = a.owner * max(a.num_slots, 1) + a.slot
+    _, first, rows = np.unique(cells, return_index=True, return_counts=True)
+    return [(("rows", int(a.rows.bucket[i]), int(n)), int(a.rows.expert[i])) for i, n in zip(first, rows, strict=True)]
+
+
+def sampler_batch_sizes(planner: Planner, policy: str) -> np.ndarray:
+    """B per bucket [k] of a sampler policy: the memory cap (bucket sampler) or the paper's rule."""
+    m_mem = planner.config.memory_budget_tokens
+    tokens = np.minimum(planner.facts.tokens, m_mem)  # buckets with no samples may exceed the budget; never drawn
+    if policy == BASELINE:
+        return equal_token_batch_sizes(tokens, m_mem)
+    if policy == "paper":
+        return paper_batch_sizes(tokens, m_mem, planner.compute_budget, planner.exponent)
+    raise ValueError(f"{policy!r} is not a sampler policy ({BASELINE}, paper)")
+
+
+def sampler(
+    planner: Planner, policy: str, bucket: np.ndarray, expert: np.ndarray, *, steady_state: bool = False
+) -> PolicyResult:
+    """A bucket-sampler policy (module docstring) over the stream ``(bucket, expert)``; ``steady_state``: a
+    queue's short last chunk (SPMD) is charged pro rata, as if a long epoch had filled it."""
+    facts, cfg = planner.facts, planner.config
+    batch = sampler_batch_sizes(planner, policy)
+    counts = np.zeros((2, len(facts.tokens)), dtype=np.int64)
+    np.add.at(counts, (expert, bucket), 1)
+    if cfg.layout == "spmd":
+        return _spmd_sampler(policy, counts, batch, planner, steady_state)
+    return _per_rank_sampler(policy, counts, batch, planner, np.random.default_rng([cfg.seed, _SAMPLER_TAG]))
+
+
+def _spmd_sampler(
+    policy: str, counts: np.ndarray, batch: np.ndarray, planner: Planner, steady_state: bool
+) -> PolicyResult:
+    """Every chunk is one program over all devices with B_b rows each: its time does not depend on the order the
+    queues are drawn in, only on how many chunks each queue makes (its last one padded to the program's rows)."""
+    facts, num_ranks = planner.facts, planner.config.num_ranks
+    per_chunk = num_ranks * batch[None, :]
+    chunks = counts / per_chunk if steady_state else np.ceil(counts / per_chunk)
+    time = float((chunks * (batch * facts.cost + facts.overhead)[None, :]).sum())
+    useful = float((counts * facts.cost[None, :]).sum())
+    compute = float((chunks * per_chunk * facts.cost[None, :]).sum())
+    present = counts > 0
+    # Experts share step programs: a chunk's shape is its bucket's [B_b, S_b] whichever expert runs it.
+    shapes = np.flatnonzero(present.any(axis=0))
+    rank_time = time * num_ranks
+    return PolicyResult(
+        policy=policy,
+        tokens=int((counts * facts.tokens[None, :]).sum()),
+        time=time,
+        load_cv=0.0,
+        padding_fraction=1.0 - useful / compute if compute > 0 else 0.0,
+        idle_fraction=max(0.0, 1.0 - (compute + float(chunks.sum()) * num_ranks * facts.overhead) / rank_time),
+        compiled_shapes=len(shapes),
+        shapes_per_expert=(int(present[0].sum()), int(present[1].sum())),
+        micro_batches_per_rank=float(chunks.sum()),
+    )
+
+
+def _per_rank_sampler(
+    policy: str, counts: np.ndarray, batch: np.ndarray, planner: Planner, rng: np.random.Generator
+) -> PolicyResult:
+    facts, num_ranks = planner.facts, planner.config.num_ranks
+    left = counts.astype(np.int64).copy()
+    tally, tokens, shapes = _Tally(facts.overhead), 0, set()
+    per_expert: tuple[set, set] = (set(), set())
+    useful = np.zeros(num_ranks)
+    while left.sum() > 0:
+        per_expert_left = left.sum(axis=1)
+        e = int(rng.choice(2, p=per_expert_left / per_expert_left.sum()))
+        slot_tokens, slot_shapes, complete = 0, [], True
+        for r in range(num_ranks):
+            queue = left[e]
+            n = int(queue.sum())
+            if n == 0:
+                complete = False
+                break
+            b = int(rng.choice(len(queue), p=queue / n))
+            take = int(min(batch[b], queue[b]))
+            queue[b] -= take
+            useful[r] = take * facts.cost[b]
+            slot_tokens += take * int(facts.tokens[b])
+            slot_shapes.append((b, take))
+        if not complete:  # the stream's tail: a long epoch has none
+            break
+        tally.slot(useful)
+        tokens += slot_tokens
+        for b, take in slot_shapes:
+            shapes.add(("rows", b, take))
+            per_expert[e].add(("rows", b, take))
+    return tally.result(policy, tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
+
+
+def compare(planner: Planner, steps: int) -> dict[str, PolicyResult]:
+    """Every policy over the stream of ``planner``'s first ``steps`` steps (``planner``: scheduler "balanced")."""
+    if planner.config.policy != "balanced":
+        raise ValueError(f"compare needs the balanced planner, got scheduler {planner.config.policy!r}")
+    bucket, expert = stream_of(planner, steps)
+    results = {p: sampler(planner, p, bucket, expert) for p in POLICIES if p != "balanced"}
+    results["balanced"] = balanced(planner, steps)
+    return results
