@@ -30,7 +30,7 @@ from wanloom_trainer.train.run import run
 
 OUT = Path(__file__).parent / "results" / "cost_refit.json"
 PATTERN = re.compile(
-    r"step (?P<step>\d+): cost refit (?P<verdict>accepted|rejected|kept the model in use): (?P<kind>\S+) fit of "
+    r"step (?P<step>\d+): cost refit (?P<verdict>accepted|rejected|kept the model in use).*?: (?P<kind>[\w-]+) fit of "
     r"(?P<n>\d+) slot timings: held-out error (?P<fit>[\d.]+)% vs (?P<analytic>[\d.]+)% for the analytic FLOP "
     r"model \(model in use: (?P<in_use>[\d.]+)%\)"
 )
@@ -53,7 +53,7 @@ class _Refits(logging.Handler):
                     "heldout_error": float(row["fit"]) / 100,
                     "analytic_heldout_error": float(row["analytic"]) / 100,
                     "in_use_error": float(row["in_use"]) / 100,
-                    "analytic_adopted": "refitted" in record.getMessage(),
+                    "analytic_adopted": row["verdict"] == "accepted" and "refitted" in record.getMessage(),
                 }
             )
 

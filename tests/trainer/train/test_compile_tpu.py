@@ -38,7 +38,8 @@ def test_compile_reports_memory_and_fails_when_the_step_does_not_fit() -> None:
     assert set(programs) == {"accumulate", "accumulate-packed", "accumulate-packed-short", "update"}  # the packer's
     packed, short = programs["accumulate-packed"], programs["accumulate-packed-short"]
     assert packed["rows_per_rank"] == 1 and packed["tokens_per_row"] == 64  # memoryBudgetTokens, context 2 divides it
-    assert short["tokens_per_row"] == 16 and packed["segments_per_row"] == short["segments_per_row"] == 8
+    # --shape 9x64x64: one 48-token bucket, so a row holds one sample plus its padding slot
+    assert short["tokens_per_row"] == 16 and packed["segments_per_row"] == short["segments_per_row"] == 2
     step = programs["accumulate"]
     assert step["latent_shape"] == [3, 8, 8] and step["tokens_per_row"] == 48 and step["rows_per_rank"] == 1
     # peak = resident state of both experts + the slot's arguments beyond the expert's parameters + temporaries

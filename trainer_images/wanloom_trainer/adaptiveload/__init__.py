@@ -11,7 +11,8 @@ One concept per module:
 - ``balance`` (per-rank totals: LPT + repair), ``lockstep`` (per-slot balance for FSDP), ``scheduler`` (which
   samples make up a step), ``layout`` (micro-batches, padding, dummies), ``planner`` (``Planner``, ``plan_step``).
 - ``plan``: the ``StepPlan``/``RankPlan``/``MicroBatch`` contract with the trainers and the loss normalisation.
-- ``metrics``, ``simulate``, ``report``: per-step metrics, the policy simulator, ``wanloom plan``.
+- ``metrics``, ``simulate``, ``compare``, ``report``: per-step metrics, a synthetic shape mix, the comparison with
+  the bucket sampler over one sample stream, ``wanloom plan``.
 """
 
 from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan

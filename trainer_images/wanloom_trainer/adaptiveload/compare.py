@@ -34,6 +34,7 @@ import numpy as np
 
 from wanloom_trainer.adaptiveload.batch_size import equal_token_batch_sizes, paper_batch_sizes
 from wanloom_trainer.adaptiveload.layout import cost_grid
+from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation
 from wanloom_trainer.adaptiveload.planner import Planner
 
 BASELINE = "bucket-sampler"
@@ -86,8 +87,7 @@ class _Tally:
         """One lockstep/SPMD slot: useful [R] and padding [R] compute of every rank."""
         busy = useful + padding
         t = float(busy.max()) + self.overhead
-        mean = float(useful.mean())
-        cv = float(useful.std() / mean) if mean > 0 else 0.0
+        cv = coefficient_of_variation(useful)
         self.time += t
         self.weighted_cv += cv * t
         self.useful += float(useful.sum())

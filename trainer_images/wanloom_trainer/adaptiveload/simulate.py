@@ -1,4 +1,4 @@
-"""A synthetic mixed image/video dataset and a step simulator for comparing planning policies.
+"""A synthetic mixed image/video dataset for comparing planning policies (``adaptiveload.compare``).
 
 The dataset follows the published statistics of public corpora (the Panda-70M, WebVid-10M and OpenVid-1M papers);
 none of them ships per-clip metadata in a package here, so the shape distribution is built from these assumptions:
@@ -19,14 +19,10 @@ none of them ships per-clip metadata in a package here, so the shape distributio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from wanloom_trainer.adaptiveload import metrics
-from wanloom_trainer.adaptiveload.cost_model import CostModel
-from wanloom_trainer.adaptiveload.layout import cost_grid
-from wanloom_trainer.adaptiveload.planner import Planner
 from wanloom_trainer.adaptiveload.shape_index import SampleShapes
 from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels
 from wanloom_trainer.config.variants import WanVariant
@@ -78,70 +74,3 @@ def synthetic_index(variant: WanVariant, n: int, seed: int = 0, mix: MixSpec | N
     unit = np.array([1, variant.vae_stride[1] * variant.patch_size[1], variant.vae_stride[2] * variant.patch_size[2]])
     pixels[:, 1:] = np.maximum(pixels[:, 1:] // unit[1:], 1) * unit[1:]
     return SampleShapes.from_arrays(latent_shapes_for_pixels(variant, pixels))
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """Averages over the simulated steps; times in the cost model's unit (seconds for fitted/FLOP-rate models).
-
-    ``mean_cv`` is the CV across ranks of the *useful* compute (real samples only: padding rows, padding tokens and
-    dummy micro-batches are not load); ``padding_fraction`` is the share of the predicted compute spent on them.
-    """
-
-    policy: str
-    layout: str
-    sync: str
-    num_ranks: int
-    steps: int
-    mean_cv: float
-    tokens_per_second: float
-    samples_per_second: float
-    idle_fraction: float
-    mean_step_time: float
-    mean_slots: float
-    straggler_overhead: float
-    padding_fraction: float = 0.0
-
-
-def simulate(planner: Planner, steps: int, true_cost: CostModel | None = None, first_step: int = 0) -> SimResult:
-    """Plan ``steps`` steps and time them with ``true_cost`` (default: the planner's own model).
-
-    Step time follows the planner's sync model (``metrics.step_time``); tokens/s is Σ tokens / Σ step time.
-    """
-    cfg = planner.config
-    facts = planner.facts
-    if true_cost is not None:
-        cost = np.asarray(true_cost.sample_cost(facts.tokens), dtype=np.float64)
-        facts = replace(facts, cost=cost, overhead=float(true_cost.overhead))
-    overhead = facts.overhead
-    cvs, times, idle, slots, straggle, tokens, samples, padding, compute = [], [], [], [], [], 0, 0, 0.0, 0.0
-    for step in range(first_step, first_step + steps):
-        a = planner.assign(step)
-        grid = cost_grid(a, facts)
-        useful = np.zeros_like(grid)
-        np.add.at(useful, (a.owner[a.real], a.slot[a.real]), facts.cost[a.rows.bucket[a.real]])
-        cvs.append(metrics.compute_load_cv(useful))
-        padding += float(grid.sum() - useful.sum())
-        compute += float(grid.sum())
-        times.append(metrics.step_time(grid, overhead, cfg.sync))
-        idle.append(metrics.idle_fraction(grid, overhead, cfg.sync))
-        straggle.append(metrics.straggler_overhead(grid.sum(axis=1) + overhead * grid.shape[1]))
-        slots.append(grid.shape[1])
-        tokens += int(facts.tokens[a.rows.bucket[a.real]].sum())
-        samples += a.num_samples
-    total = float(np.sum(times))
-    return SimResult(
-        policy=cfg.policy,
-        layout=cfg.layout,
-        sync=cfg.sync,
-        num_ranks=cfg.num_ranks,
-        steps=steps,
-        mean_cv=float(np.mean(cvs)),
-        tokens_per_second=tokens / total,
-        samples_per_second=samples / total,
-        idle_fraction=float(np.sum(np.asarray(idle) * np.asarray(times)) / total),
-        mean_step_time=total / steps,
-        mean_slots=float(np.mean(slots)),
-        straggler_overhead=float(np.mean(straggle)),
-        padding_fraction=padding / compute if compute > 0 else 0.0,
-    )
