@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from wanloom_trainer.adaptiveload.compare import BASELINE, POLICIES, compare, sampler, stream_of
+from wanloom_trainer.adaptiveload.compare import BASELINE, POLICIES, balanced, compare, sampler
 from wanloom_trainer.adaptiveload.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.adaptiveload.report import compare_steps
@@ -93,7 +93,7 @@ def run_config(index, mode: dict, ranks: int, per_rank: int) -> dict[str, dict[s
     rows = {name: r.to_json(results[BASELINE]) for name, r in results.items()}
     rows["balanced"]["shapes_per_expert"] = max(results["balanced"].shapes_per_expert)
     if mode["layout"] == "spmd":
-        steady = sampler(p, BASELINE, *stream_of(p, steps), steady_state=True)
+        steady = sampler(p, BASELINE, *balanced(p, steps)[1:], steady_state=True)
         rows["balanced"]["throughput_vs_steady_sampler"] = (
             results["balanced"].tokens_per_second / steady.tokens_per_second
         )

@@ -4,7 +4,7 @@ it run it, and the GPU targets on a mix the planner was not tuned on."""
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.compare import BASELINE, compare, sampler, sampler_batch_sizes, stream_of
+from wanloom_trainer.adaptiveload.compare import BASELINE, balanced, compare, sampler, sampler_batch_sizes
 from wanloom_trainer.adaptiveload.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
@@ -28,7 +28,7 @@ def held_out():
 def test_every_policy_consumes_the_same_stream(held_out, flop_cost, router, layout):
     planner = _planner(held_out, flop_cost, router, layout, memory=151_200 if layout == "per-rank" else 75_600)
     steps = 2 * planner.window_steps
-    bucket, expert = stream_of(planner, steps)
+    _, bucket, expert = balanced(planner, steps)
     assert len(bucket) == steps * 256  # the balanced planner's samples: globalBatch per step over its windows
     tokens = int(planner.facts.tokens[bucket].sum())
     results = compare(planner, steps)

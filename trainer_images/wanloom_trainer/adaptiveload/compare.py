@@ -112,33 +112,28 @@ class _Tally:
         )
 
 
-def stream_of(planner: Planner, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """(bucket int64 [N], expert int64 [N]) of every sample of the planner's first ``steps`` steps, in order."""
+def balanced(planner: Planner, steps: int) -> tuple[PolicyResult, np.ndarray, np.ndarray]:
+    """The trainer's planner over its first ``steps`` steps, and the stream it consumed: (bucket int64 [N],
+    expert int64 [N]) of every sample, in order."""
+    facts = planner.facts
+    tally, tokens, shapes = _Tally(facts.overhead), 0, set()
+    per_expert: tuple[set, set] = (set(), set())
     buckets, experts = [], []
     for step in range(steps):
         a = planner.assign(step)
         buckets.append(a.rows.bucket[a.real])
         experts.append(a.rows.expert[a.real])
-    return np.concatenate(buckets).astype(np.int64), np.concatenate(experts).astype(np.int64)
-
-
-def balanced(planner: Planner, steps: int) -> PolicyResult:
-    """The trainer's planner over its first ``steps`` steps."""
-    facts = planner.facts
-    tally, tokens, shapes = _Tally(facts.overhead), 0, set()
-    per_expert: tuple[set, set] = (set(), set())
-    for step in range(steps):
-        a = planner.assign(step)
         grid = cost_grid(a, facts)
         useful = np.zeros_like(grid)
         np.add.at(useful, (a.owner[a.real], a.slot[a.real]), facts.cost[a.rows.bucket[a.real]])
         for k in range(a.num_slots):
             tally.slot(useful[:, k], grid[:, k] - useful[:, k])
-        tokens += int(facts.tokens[a.rows.bucket[a.real]].sum())
+        tokens += int(facts.tokens[buckets[-1]].sum())
         for key, expert in _program_shapes(a):
             shapes.add(key)
             per_expert[expert].add(key)
-    return tally.result("balanced", tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
+    result = tally.result("balanced", tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
+    return result, np.concatenate(buckets).astype(np.int64), np.concatenate(experts).astype(np.int64)
 
 
 def _program_shapes(a) -> list[tuple[tuple, int]]:  # type: ignore[no-untyped-def]
@@ -245,7 +240,7 @@ def compare(planner: Planner, steps: int) -> dict[str, PolicyResult]:
     """Every policy over the stream of ``planner``'s first ``steps`` steps (``planner``: scheduler "balanced")."""
     if planner.config.policy != "balanced":
         raise ValueError(f"compare needs the balanced planner, got scheduler {planner.config.policy!r}")
-    bucket, expert = stream_of(planner, steps)
+    ours, bucket, expert = balanced(planner, steps)
     results = {p: sampler(planner, p, bucket, expert) for p in POLICIES if p != "balanced"}
-    results["balanced"] = balanced(planner, steps)
+    results["balanced"] = ours
     return results

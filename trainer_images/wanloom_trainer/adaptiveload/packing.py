@@ -85,8 +85,8 @@ def row_shapes(
         memory_budget_tokens: M_mem, tokens per long row (rounded up to ``sequence_multiple``).
         sequence_multiple: context × tensor: rows are sharded along the sequence.
         max_segments: most segment slots a row may have (``kernels.adaln_shapes.max_packed_segments``).
-        step_tokens_per_rank: the tokens a step gives each rank on average: short rows are no longer than that
-            (rounded up to a power of two), so that a step smaller than a row is not mostly padding.
+        step_tokens_per_rank: the tokens a step gives each rank on average: short rows hold at most a quarter more
+            (in eighths of its power-of-two octave), so that a step smaller than a row is not mostly padding.
     """
     tokens = np.asarray(bucket_tokens, dtype=np.int64)
     if max_segments < 2:
@@ -99,18 +99,18 @@ def row_shapes(
     short_tokens = _round_up(max(1, short), sequence_multiple)
     fit = max(2, long_tokens // max(int(tokens.min()), 1) + 1)  # as many samples as fit, plus the padding slot
     groups = min(_next_pow2(fit), 1 << (int(max_segments).bit_length() - 1))
-    short = tokens[tokens <= short_tokens]
+    fit_short = tokens[tokens <= short_tokens]
     return RowShapes(
         long_tokens=long_tokens,
         short_tokens=short_tokens,
         groups=groups,
         long_segment=min(long_tokens, _next_pow2(int(tokens.max()))),
-        short_segment=min(short_tokens, _next_pow2(int(short.max()) if len(short) else 1)),
+        short_segment=min(short_tokens, _next_pow2(int(fit_short.max()) if len(fit_short) else 1)),
     )
 
 
 class _Rows:
-    """Rows under construction: free tokens, sample count, and the samples' positions."""
+    """Rows under construction: free tokens and sample count of each."""
 
     def __init__(self, capacity: int, max_samples: int) -> None:
         self.capacity, self.max_samples = capacity, max_samples

@@ -215,7 +215,8 @@ def packed_programs(config: TrainConfig, tokens: np.ndarray) -> list[tuple[str, 
 
     multiple = config.parallel.context * config.parallel.tensor
     segments = max_packed_segments(config.model.wan.dim)
-    shapes = row_shapes(tokens, config.adaptive_load.memory_budget_tokens, multiple, segments)
+    step_tokens = float(np.mean(tokens)) * config.global_batch / config.parallel.batch_ranks  # as the planner sizes it
+    shapes = row_shapes(tokens, config.adaptive_load.memory_budget_tokens, multiple, segments, step_tokens)
     long, short = shapes.programs()
     return [("accumulate-packed", *long), ("accumulate-packed-short", *short)]
 
