@@ -5,13 +5,13 @@ Policies (``PlanConfig.policy``):
 - ``balanced`` (beyond the paper): ``global_batch`` samples per step on average from the seeded epoch stream
   (``scheduler.SampleStream``), planned a **window** of W steps at a time (W·``global_batch`` ≥
   ``window_samples_per_rank``·R samples, at most an epoch): a handful of samples per rank cannot even out long
-  clips, a window can.
-  Per-rank layout: the window's samples are assigned to (rank, slot) so that every lockstep slot is balanced
-  (``lockstep``) or, synchronising once per step, per-rank totals are (``balance.balance``); SPMD layout: they are
-  packed into rows of two shapes, alike rows in a slot (``packing``). The window's slots are then shuffled (seeded)
-  and dealt to its W steps in contiguous runs of about ``global_batch`` samples each, so every step holds whole
-  slots of several shapes and both experts. With ``global_batch`` ≥ that many samples per rank (or
-  ``window_samples_per_rank`` 0), W = 1 and a step is its own window of exactly ``global_batch`` samples.
+  clips, a window can. Per-rank layout: the window's samples are assigned to (rank, slot) so that every lockstep
+  slot is balanced (``lockstep``); SPMD layout: they are packed into rows of two shapes, alike rows in a slot
+  (``packing``). The window's slots are then dealt to its W steps, largest first to the step holding the fewest
+  samples (ties in a seeded order), about ``global_batch`` samples each (``layout.split_into_steps``), so every
+  step holds whole slots of several shapes. With ``global_batch`` ≥ that many samples per rank, with
+  ``window_samples_per_rank`` 0, or when ranks synchronise once per step (per-rank totals balanced by
+  ``balance.balance``), W = 1 and a step is its own window of exactly ``global_batch`` samples.
 - ``paper``: per-bucket batch sizes ``B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋))``; each rank draws one bucket chunk
   per step (``scheduler.BucketChunks``), so the global sample count varies per step.
 - ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
