@@ -54,7 +54,6 @@ class PolicyResult:
     idle_fraction: float
     compiled_shapes: int
     shapes_per_expert: tuple[int, int]
-    micro_batches_per_rank: float
 
     @property
     def tokens_per_second(self) -> float:
@@ -108,7 +107,6 @@ class _Tally:
             idle_fraction=max(0.0, 1.0 - busy / self.rank_time) if self.rank_time > 0 else 0.0,
             compiled_shapes=len(shapes),
             shapes_per_expert=shapes_per_expert,
-            micro_batches_per_rank=float(self.slots),
         )
 
 
@@ -198,7 +196,6 @@ def _spmd_sampler(
         idle_fraction=max(0.0, 1.0 - (compute + float(chunks.sum()) * num_ranks * facts.overhead) / rank_time),
         compiled_shapes=len(shapes),
         shapes_per_expert=(int(present[0].sum()), int(present[1].sum())),
-        micro_batches_per_rank=float(chunks.sum()),
     )
 
 
