@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from wanloom_cli import api_commands, data_commands, operator_commands, trainer_commands
+from wanloom_cli import api_commands, data_commands, export_commands, operator_commands, trainer_commands
 
 app = typer.Typer(
     name="wanloom",
@@ -24,6 +24,7 @@ api_commands.register(app)
 operator_commands.register(app)
 trainer_commands.register(app)
 data_commands.register(app)
+export_commands.register(app)
 
 
 # What a command needs that an image may leave out, and where it is.

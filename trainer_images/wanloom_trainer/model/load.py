@@ -115,6 +115,17 @@ def diffusers_key(name: str, ndim: int) -> tuple[str, Transform]:
     return name, lambda w: w
 
 
+def torch_axes(name: str, ndim: int) -> tuple[int, ...]:
+    """The axis order that turns NNX parameter ``name`` back into its checkpoint (torch) layout: the inverse of
+    ``diffusers_key``'s layout change, used by the exporters."""
+    leaf = name.rpartition(".")[2]
+    if leaf == "kernel" and ndim == 5:
+        return (4, 3, 0, 1, 2)
+    if leaf == "kernel":
+        return tuple(reversed(range(ndim)))
+    return tuple(range(ndim))
+
+
 def diffusers_key_map(model: nnx.Module) -> dict[str, str]:
     """NNX parameter name → diffusers checkpoint key, for every parameter of ``model`` (abstract or real)."""
     return {
