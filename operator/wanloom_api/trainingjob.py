@@ -368,6 +368,15 @@ class ParallelismSpec(_Model):
         return {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
 
 
+class EmaSpec(_Model):
+    decay: float = Field(
+        0.999, gt=0.0, lt=1.0, description="Per-step decay: ema = decay*ema + (1-decay)*weights after each step."
+    )
+    start_step: int = Field(
+        0, ge=0, description="Steps before this one copy the weights into the EMA instead of averaging them."
+    )
+
+
 class OptimizerSpec(_Model):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warmup.")
@@ -380,6 +389,11 @@ class OptimizerSpec(_Model):
     clip_grad_norm: float | None = Field(None, gt=0.0, description="Global-norm clipping per expert; unset disables.")
     per_expert_lr_scaling: bool = Field(
         False, description="Scale each expert's learning rate by its expected share of steps."
+    )
+    ema: EmaSpec | None = Field(
+        None,
+        description="Exponential moving average of both experts' weights (float32, sharded like them, checkpointed; "
+        "`wanloom export --ema`); unset disables it.",
     )
 
     @field_validator("betas", mode="before")

@@ -27,6 +27,7 @@ from wanloom_trainer.export.wan_keys import wan_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 4
+EMA_DECAY = 0.75
 JOBS = {"jax": ROOT / "jobs/tiny-local.yaml", "torch": ROOT / "jobs/tiny-local-torch.yaml"}
 
 
@@ -53,8 +54,8 @@ def _job(backend: str, workdir: Path) -> Path:
     doc = yaml.safe_load(JOBS[backend].read_text())
     doc["metadata"]["name"] = f"export-{backend}"
     doc["spec"]["data"]["uri"] = str(workdir / "data")
-    doc["spec"]["optimizer"]["warmupSteps"] = 1
-    doc["spec"]["training"].update(steps=STEPS, checkpoint={"uri": str(workdir / "ckpt"), "interval": 2, "keep": 3})
+    doc["spec"]["optimizer"].update(warmupSteps=1, ema={"decay": EMA_DECAY, "startStep": 1})
+    doc["spec"]["training"].update(steps=STEPS, checkpoint={"uri": str(workdir / "ckpt"), "interval": 1, "keep": STEPS})
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -62,7 +63,7 @@ def _job(backend: str, workdir: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["jax", "torch"])
 def trained(request, tmp_path_factory) -> tuple[str, Path, Path]:
-    """(backend, job file, workdir) after a 4-step tiny run checkpointed at steps 2 and 4."""
+    """(backend, job file, workdir) after a 4-step tiny run with EMA, checkpointed after every step."""
     backend = request.param
     workdir = tmp_path_factory.mktemp(f"trained-{backend}")
     job = _job(backend, workdir)
@@ -199,8 +200,7 @@ def test_bfloat16_export_rounds_like_torch_and_step_picks_the_checkpoint(trained
 def test_bad_requests_get_one_line_errors(trained, tmp_path: Path) -> None:
     _, job, workdir = trained
     cases = {
-        ("--step", "3"): "--step 3: no checkpoint at that step under",
-        ("--ema",): "--ema: checkpoint 4 under",
+        ("--step", "7"): "--step 7: no checkpoint at that step under",
         ("--format", "onnx"): "--format 'onnx': valid: diffusers, wan",
         ("--dtype", "int8"): "--dtype 'int8': valid: float32, bfloat16, float16",
     }
@@ -210,6 +210,32 @@ def test_bad_requests_get_one_line_errors(trained, tmp_path: Path) -> None:
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, proc.stderr)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_ema_export_averages_the_checkpointed_weights(trained, tmp_path: Path) -> None:
+    """startStep 1: after step 0 the average is the weights; after each later step d·ema + (1 − d)·weights."""
+    from safetensors.numpy import load_file
+
+    backend, job, workdir = trained
+
+    def ema_at(step: int) -> dict[str, np.ndarray]:
+        out = tmp_path / f"ema-{step}"
+        proc = wanloom(
+            "export", str(job), "--out", str(out), "--ema", "--step", str(step), "--dtype", "float32", cwd=workdir
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert f"EMA weights of step {step}" in proc.stdout
+        return load_file(out / "transformer_2" / "diffusion_pytorch_model.safetensors")
+
+    weights = {step: _checkpoint_weights(backend, workdir, step)[1] for step in (1, 2, 3)}
+    averages = {step: ema_at(step) for step in (1, 2, 3)}
+    for key in weights[1]:
+        np.testing.assert_array_equal(averages[1][key], weights[1][key], err_msg=key)
+        for step in (2, 3):
+            want = EMA_DECAY * averages[step - 1][key] + (1 - EMA_DECAY) * weights[step][key]
+            np.testing.assert_allclose(averages[step][key], want, rtol=1e-6, atol=1e-7, err_msg=f"{step}: {key}")
+    assert any(not np.array_equal(averages[3][k], weights[3][k]) for k in weights[3]), "the average must lag"
 
 
 @pytest.mark.slow

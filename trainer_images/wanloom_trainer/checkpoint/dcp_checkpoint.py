@@ -177,19 +177,28 @@ def _rng_key() -> str:
     return f"rank{_rank()}"
 
 
-def training_state(experts: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
-    """The DCP state dict: sharded model and optimizer states per expert, and this rank's RNG states.
+def training_state(
+    experts: Mapping[str, nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    ema: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> dict:
+    """The DCP state dict: sharded model and optimizer states per expert, the experts' EMA weights when kept
+    (``ema.<expert>.<parameter>``, loaded in place), and this rank's RNG states.
 
     RNG states are stored per rank (``rng/rank<r>``): each rank restores its own.
     """
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return {
+    state = {
         "experts": {name: get_model_state_dict(model) for name, model in experts.items()},
         "optimizers": {name: get_optimizer_state_dict(experts[name], opt) for name, opt in optimizers.items()},
         "rng": {_rng_key(): rng},
     }
+    if ema:
+        state["ema"] = {name: dict(tensors) for name, tensors in ema.items()}
+    return state
 
 
 def apply_training_state(

@@ -35,6 +35,7 @@ from wanloom_trainer.parallel.context_attention import context_parallel_attentio
 from wanloom_trainer.parallel.mesh_jax import ShardingConfig, build_mesh, runs_mosaic
 from wanloom_trainer.parallel.sharded_adaln import sharded_adaln
 from wanloom_trainer.train.backend import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
+from wanloom_trainer.train.ema import ema_decay
 from wanloom_trainer.train.packing import PackedRows
 from wanloom_trainer.train.step_jax import StepFns, make_step_fns, moment_transform
 
@@ -46,10 +47,12 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class JaxState:
-    """Per expert: parameters (the flat list of the ``nnx.State``'s leaves) and optimizer state over that list."""
+    """Per expert: parameters (the flat list of the ``nnx.State``'s leaves), optimizer state over that list, and
+    with ``spec.optimizer.ema`` the float32 average of the parameters (same list, same shardings; else empty)."""
 
     params: tuple[Any, ...]
     opt: tuple[Any, ...]
+    ema: tuple[Any, ...] = ()
 
 
 def use_gspmd_for_sequence_sharding() -> None:
@@ -209,7 +212,8 @@ class JaxBackend:
     def init_state(self) -> JaxState:
         params = tuple(jax.tree.leaves(self._expert_params(e)) for e in range(self.config.model.num_experts))
         init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
-        return JaxState(params=params, opt=tuple(init_opt(p) for p in params))
+        ema = tuple(self.step_fns.ema_init(p) for p in params) if self.config.optimizer.ema else ()
+        return JaxState(params=params, opt=tuple(init_opt(p) for p in params), ema=ema)
 
     def accumulate_gradients(
         self, state: JaxState, slots: Sequence[Slot]
@@ -250,6 +254,10 @@ class JaxBackend:
                 raise ValueError(f"step {inputs.step}: expert {e} has {inputs.expert_samples[e]} samples but no slot")
             lr = jnp.asarray(inputs.learning_rates[e], jnp.float32)
             params[e], opt[e], norms[e] = self.step_fns.update(params[e], opt[e], grads[e], lr)
+        ema = state.ema
+        if self.config.optimizer.ema is not None:
+            decay = jnp.asarray(ema_decay(self.config.optimizer.ema, inputs.step), jnp.float32)
+            ema = tuple(self.step_fns.ema_update(a, p, decay) for a, p in zip(ema, params, strict=True))
         outputs = StepOutputs(
             tuple(
                 ExpertOutputs(
@@ -263,7 +271,7 @@ class JaxBackend:
             slot_seconds,
             slot_compiled,
         )
-        return JaxState(tuple(params), tuple(opt)), outputs
+        return JaxState(tuple(params), tuple(opt), ema), outputs
 
     def evaluate(self, state: JaxState, slot: Slot) -> float:
         """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
@@ -288,7 +296,8 @@ class JaxBackend:
         step = self._checkpointer.latest_step()
         template = self._as_tree(state) if state is not None else self.abstract_state()
         tree, meta = self._checkpointer.restore(step, template)
-        return Restored(JaxState(*self.flat_state(tree["params"], tree["opt"])), step, meta)
+        ema = tuple(jax.tree.leaves(a) for a in tree.get("ema", ()))
+        return Restored(JaxState(*self.flat_state(tree["params"], tree["opt"]), ema=ema), step, meta)
 
     def flat_state(self, params: Sequence[Any], opt: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Per expert ``nnx.State`` parameters and optimizer states (``abstract_state``, checkpoints) → what
@@ -301,10 +310,13 @@ class JaxBackend:
 
     def _as_tree(self, state: JaxState) -> dict[str, Any]:
         """The checkpoint tree: ``nnx.State`` structure, so array keys name the parameters."""
-        return {
+        tree = {
             "params": [jax.tree.unflatten(self._treedef, p) for p in state.params],
             "opt": [jax.tree.unflatten(self._opt_treedefs[1], jax.tree.leaves(o)) for o in state.opt],
         }
+        if state.ema:
+            tree["ema"] = [jax.tree.unflatten(self._treedef, a) for a in state.ema]
+        return tree
 
     def abstract_state(self) -> dict[str, Any]:
         """``{"params": [...], "opt": [...]}`` per expert as sharded ``ShapeDtypeStruct``s in ``nnx.State`` structure
@@ -316,7 +328,11 @@ class JaxBackend:
             [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(shapes, shardings, strict=True)],
         )
         n = self.config.model.num_experts
-        return {"params": [params] * n, "opt": [opt] * n}
+        tree = {"params": [params] * n, "opt": [opt] * n}
+        if self.config.optimizer.ema is not None:
+            ema = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), params)
+            tree["ema"] = [ema] * n
+        return tree
 
     def gather_floats(self, value: float) -> list[float]:
         return self.gather_rows([value])[:, 0].tolist()

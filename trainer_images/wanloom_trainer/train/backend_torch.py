@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from diffusers import WanTransformer3DModel
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE as _CHECKPOINT_WRAPPED,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from wanloom_trainer.checkpoint.gcs import stage_weights
@@ -45,6 +48,7 @@ from wanloom_trainer.parallel.mesh_torch import (
     parallelize_wan,
 )
 from wanloom_trainer.train.backend import ExpertOutputs, Restored, Slot, StepInputs, StepOutputs
+from wanloom_trainer.train.ema import ema_decay
 from wanloom_trainer.train.step_torch import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,10 +58,12 @@ ATTENTION_BACKENDS = {"sdpa": "native", "flash": "_native_flash"}
 
 @dataclass
 class TorchState:
-    """Per expert: the FSDP-wrapped diffusers model and its AdamW (updated in place by ``train_step``)."""
+    """Per expert: the FSDP-wrapped diffusers model and its AdamW (updated in place by ``train_step``), and with
+    ``spec.optimizer.ema`` the float32 average of its parameters by name (sharded like them; else empty)."""
 
     experts: tuple[nn.Module, ...]
     optimizers: tuple[torch.optim.AdamW, ...]
+    ema: tuple[dict[str, torch.Tensor], ...] = ()
 
 
 def expert_seed(seed: int, expert: int) -> int:
@@ -147,7 +153,8 @@ class TorchBackend:
     def init_state(self) -> TorchState:
         experts = tuple(self._build_expert(e) for e in range(len(self.names)))
         optimizers = tuple(make_adamw(m.parameters(), self.config.optimizer) for m in experts)
-        return TorchState(experts, optimizers)
+        ema = tuple(ema_init(m) for m in experts) if self.config.optimizer.ema is not None else ()
+        return TorchState(experts, optimizers, ema)
 
     def train_step(self, state: TorchState, inputs: StepInputs) -> tuple[TorchState, StepOutputs]:
         loss_sums = torch.zeros(len(state.experts), dtype=torch.float64, device=self.device)
@@ -165,6 +172,10 @@ class TorchBackend:
                 norms[e] = update(model, optimizer, inputs.learning_rates[e], self.config.optimizer.clip_grad_norm)
             else:  # no samples anywhere this step: parameters and moments stay exactly as they were
                 optimizer.zero_grad(set_to_none=True)
+        if self.config.optimizer.ema is not None:
+            decay = ema_decay(self.config.optimizer.ema, inputs.step)
+            for model, average in zip(state.experts, state.ema, strict=True):
+                ema_update(average, model, decay)
         totals = self._sum_over_data_parallel(loss_sums)
         outputs = tuple(
             ExpertOutputs(inputs.expert_samples[e], float(totals[e]), norms[e], inputs.learning_rates[e])
@@ -186,7 +197,7 @@ class TorchBackend:
         if self._store is None:
             raise ValueError("spec.training.checkpoint.uri is unset: checkpoints are disabled")
         start = time.perf_counter()
-        self._store.save(training_state(*self._by_name(state)), next_step, meta)
+        self._store.save(training_state(*self._by_name(state), ema=self._ema_by_name(state)), next_step, meta)
         return time.perf_counter() - start
 
     def checkpoint_pending(self) -> bool:
@@ -201,7 +212,8 @@ class TorchBackend:
         if self._store is None or (step := self._store.latest_step()) is None:
             return None
         state = state if state is not None else self.init_state()
-        loaded = training_state(*self._by_name(state))
+        # EMA tensors load in place (the state dict holds them, not copies).
+        loaded = training_state(*self._by_name(state), ema=self._ema_by_name(state))
         record = self._store.load(loaded, step)
         apply_training_state(loaded, *self._by_name(state))
         return Restored(state, int(record["next_step"]), record["meta"])
@@ -244,6 +256,9 @@ class TorchBackend:
     def _by_name(self, state: TorchState) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
         return dict(zip(self.names, state.experts, strict=True)), dict(zip(self.names, state.optimizers, strict=True))
 
+    def _ema_by_name(self, state: TorchState) -> dict[str, dict[str, torch.Tensor]]:
+        return dict(zip(self.names, state.ema, strict=True)) if state.ema else {}
+
     def _sum_over_data_parallel(self, values: torch.Tensor) -> torch.Tensor:
         """Σ over data-parallel ranks: an all-reduce over every rank, divided by the context-parallel peers that
         computed the same samples' loss."""
@@ -251,6 +266,24 @@ class TorchBackend:
         if self.proc.world_size > 1:
             dist.all_reduce(total)
         return (total / (self.proc.world_size // self.dp_size)).cpu()
+
+
+def _parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their state-dict (diffusers) name: activation checkpointing's wrapper adds a path component."""
+    return {name.replace(f"{_CHECKPOINT_WRAPPED}.", ""): p for name, p in model.named_parameters()}
+
+
+def ema_init(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A float32 copy of every parameter, by state-dict name (FSDP2 DTensors stay sharded: each rank its shards)."""
+    return {name: p.detach().to(torch.float32, copy=True) for name, p in _parameters(model).items()}
+
+
+@torch.no_grad()
+def ema_update(average: dict[str, torch.Tensor], model: nn.Module, decay: float) -> None:
+    """``average += (1 - decay) * (weights - average)``, in place, one fused call over all tensors."""
+    params = _parameters(model)
+    names = list(average)
+    torch._foreach_lerp_([average[n] for n in names], [params[n].detach().float() for n in names], 1.0 - decay)
 
 
 def _init_rope_buffers(model: nn.Module, device: torch.device) -> None:

@@ -137,6 +137,8 @@ class StepFns:
     accumulate: Callable[[Any, Any, Batch], tuple[Any, jax.Array]]
     update: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, jax.Array]]
     evaluate: Callable[[Any, Batch], jax.Array]
+    ema_update: Callable[[Any, Any, jax.Array], Any]
+    ema_init: Callable[[Any], Any]
 
 
 def make_step_fns(
@@ -177,6 +179,12 @@ def make_step_fns(
     def evaluate(params: Any, batch: Batch, max_segment_tokens: int = 0) -> jax.Array:
         return loss_of(params, batch, max_segment_tokens)[0]
 
+    def ema_update(ema: Any, params: Any, decay: jax.Array) -> Any:
+        return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p.astype(jnp.float32) - e), ema, params)
+
+    def ema_init(params: Any) -> Any:
+        return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
     sharded = param_shardings is not None
     return StepFns(
         zeros=jax.jit(zeros, out_shardings=param_shardings),
@@ -192,6 +200,8 @@ def make_step_fns(
             out_shardings=(param_shardings, opt_shardings, replicated) if sharded else None,
         ),
         evaluate=jax.jit(evaluate, static_argnums=(2,)),
+        ema_update=jax.jit(ema_update, donate_argnums=(0,), out_shardings=param_shardings),
+        ema_init=jax.jit(ema_init, out_shardings=param_shardings),
     )
 
 
