@@ -69,6 +69,17 @@ DEFAULT_IMAGE_TO_VIDEO_FRACTION: dict[str, float | None] = {
     "tiny-i2v": None,
     "tiny-ti2v": 0.5,
 }
+# Share of samples trained on the empty prompt (classifier-free guidance) when spec.data.captionDropout is unset:
+# 10% for full fine-tuning of the Wan models, the share classifier-free-guidance training commonly drops; none for
+# the tiny models, whose synthetic datasets exist to check the trainer, not to be sampled with guidance.
+DEFAULT_CAPTION_DROPOUT: dict[str, float] = {
+    "wan2.2-t2v-a14b": 0.1,
+    "wan2.2-i2v-a14b": 0.1,
+    "wan2.2-ti2v-5b": 0.1,
+    "tiny": 0.0,
+    "tiny-i2v": 0.0,
+    "tiny-ti2v": 0.0,
+}
 DType = Literal["float32", "bfloat16"]
 AdalnImpl = Literal["fused", "reference"]
 Remat = Literal["none", "full", "save-matmuls", "save-attention"]
@@ -246,6 +257,14 @@ class DataSpec(_Model):
         None, description="Generate a synthetic mixed-shape dataset at uri first if none is there (local runs)."
     )
     prefetch: int = Field(4, ge=0, le=64, description="Micro-batches prefetched ahead of the step.")
+    caption_dropout: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="Share of samples trained with the empty-prompt embedding (the unconditional branch "
+        "classifier-free guidance needs; `wanloom data prepare` stores it with the dataset). Default per variant: "
+        "0.1 for the Wan models, 0 for tiny.",
+    )
     max_bad_samples: int = Field(
         100, ge=0, description="Distinct corrupt or missing samples skipped (and counted) before the run fails."
     )
@@ -406,6 +425,26 @@ class CheckpointSpec(_Model):
     uri: StorageURI | None = Field(None, description="Checkpoint root (gs:// or a path); unset disables checkpoints.")
     interval: int = Field(1000, ge=1, description="Steps between checkpoints.")
     keep: int = Field(3, ge=1, description="Checkpoints retained (oldest deleted first).")
+
+
+class WandbSpec(_Model):
+    project: str = Field(min_length=1, max_length=128, description="W&B project the run logs to.")
+    entity: str | None = Field(None, min_length=1, description="W&B team or user; unset: the API key's default.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline writes the run under the run directory for a later `wandb sync`."
+    )
+
+
+class TrackingSpec(_Model):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files (the per-step scalars).")
+    tensorboard_uri: StorageURI | None = Field(
+        None,
+        description="Where the event files go. Default: <run dir>/tensorboard for a local checkpoint root, else a "
+        "tensorboard/ folder beside the gs:// checkpoint root.",
+    )
+    wandb: WandbSpec | None = Field(
+        None, description="Also log to Weights & Biases (WANDB_API_KEY from the environment); unset disables it."
+    )
 
 
 class TrainingSpec(_Model):
@@ -599,6 +638,9 @@ class TrainingJobSpec(_Model):
     kernels: KernelsSpec = Field(default_factory=KernelsSpec, description="Kernel implementations.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Device mesh and remat.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW per expert.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, Weights & Biases."
+    )
     training: TrainingSpec = Field(description="Steps, batch, seed and checkpoints.")
     resources: ResourcesSpec = Field(description="Accelerators, image and scheduling.")
     suspend: bool = Field(False, description="Suspend the job (propagated to the JobSet).")
@@ -621,6 +663,12 @@ class TrainingJobSpec(_Model):
         if fraction is None:
             fraction = DEFAULT_IMAGE_TO_VIDEO_FRACTION[self.model.variant]
         return fraction or 0.0
+
+    @property
+    def caption_dropout(self) -> float:
+        """The effective caption dropout: the spec's, else the variant's default."""
+        dropout = self.data.caption_dropout
+        return DEFAULT_CAPTION_DROPOUT[self.model.variant] if dropout is None else dropout
 
     @property
     def boundary_ratio(self) -> float | None:

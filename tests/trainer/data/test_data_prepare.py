@@ -75,8 +75,11 @@ def test_round_trip_prepare_plan_load_returns_the_written_tensors(
     assert [s["source"] for s in result.skipped] == list(media_set.bad)
     by_source = dict(zip(index.sources, index.latent_shapes.tolist(), strict=True))
     assert by_source == {"a.png": [1, 8, 12], "b.jpg": [1, 12, 8], "sub/c.png": [1, 8, 8], "clip.mp4": [3, 8, 8]}
-    # The spy saw samples in write order: shard by shard, batch by batch, which is index order.
-    written = dict(zip(index.keys, zip(spy.latents, spy.texts, strict=True), strict=True))
+    # The spy saw samples in write order: shard by shard, batch by batch, which is index order; then the empty
+    # prompt, encoded once for caption dropout.
+    *texts, empty = spy.texts
+    written = dict(zip(index.keys, zip(spy.latents, texts, strict=True), strict=True))
+    np.testing.assert_array_equal(empty, spy.inner.encode_text([""], get_variant("tiny").text_len)[0])
 
     with open_dataset(output, max_bad_samples=0) as ds:
         planner = _planner(ds)
@@ -93,6 +96,9 @@ def test_round_trip_prepare_plan_load_returns_the_written_tensors(
                         assert not mb.batch.text_embeds[row, n:].any()
                         seen.add(int(sid))
         assert seen  # rank 0 got work
+        padded = ds.empty_prompt()
+        assert padded.shape == (ds.text_len, ds.text_dim) and not padded[len(empty) :].any()
+        np.testing.assert_array_equal(padded[: len(empty)], empty)
 
 
 def test_latents_are_the_vae_posterior_mean_normalised(tmp_path: Path, media_set, tiny_model_root: Path) -> None:
@@ -147,7 +153,12 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
     assert (out / "index.json").read_text() == (clean / "index.json").read_text()
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     shards = [f"shards/shard-{k:06d}.{ext}" for k in range(3) for ext in ("json", "tar")]
-    assert names == ["build.json", "index.json", *shards]  # the layout docs/data-format.md describes
+    assert names == [
+        "build.json",
+        "empty_prompt.npy",
+        "index.json",
+        *shards,
+    ]  # the layout docs/data-format.md describes
 
     # Resuming with other settings would mix two datasets: refused before anything is encoded.
     with pytest.raises(ValueError, match=r"build\.json records a different build.*buckets"):

@@ -55,6 +55,7 @@ def _job(backend: str, workdir: Path) -> Path:
     doc["metadata"]["name"] = f"export-{backend}"
     doc["spec"]["data"]["uri"] = str(workdir / "data")
     doc["spec"]["optimizer"].update(warmupSteps=1, ema={"decay": EMA_DECAY, "startStep": 1})
+    doc["spec"]["data"]["captionDropout"] = 0.25  # both trainers' runs with the dataset's empty prompt
     doc["spec"]["training"].update(steps=STEPS, checkpoint={"uri": str(workdir / "ckpt"), "interval": 1, "keep": STEPS})
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(doc))

@@ -178,3 +178,39 @@ def test_image_to_video_loss_ignores_the_prediction_on_the_clean_frame() -> None
 
     spoiled.variant = base.variant
     assert float(flow_matching_loss(base, batch)[0]) == float(flow_matching_loss(spoiled, batch)[0])
+
+
+def test_caption_dropout_is_a_pure_draw_that_skips_placeholders() -> None:
+    from wanloom_trainer.train.objective import caption_dropped
+
+    ids = np.arange(4000)
+    dropped = caption_dropped(7, 3, ids, 0.1)
+    assert 0.08 < dropped.mean() < 0.12
+    np.testing.assert_array_equal(dropped, caption_dropped(7, 3, ids, 0.1))  # a resumed step drops the same rows
+    assert (dropped != caption_dropped(7, 4, ids, 0.1)).any()  # a new draw every step
+    assert not caption_dropped(7, 3, [-1] * 100, 0.99).any()
+    assert not caption_dropped(7, 3, ids, 0.0).any()
+
+
+def test_dropped_rows_train_on_the_empty_prompt() -> None:
+    from types import SimpleNamespace
+
+    from wanloom_trainer.train.inputs import rank_rows
+    from wanloom_trainer.train.objective import caption_dropped
+
+    b, length, dim = 64, 5, 3
+    rng = np.random.default_rng(0)
+    batch = SimpleNamespace(
+        sample_ids=np.arange(b), latents=rng.standard_normal((b, 4, 1, 2, 2), dtype=np.float32),
+        text_embeds=rng.standard_normal((b, length, dim), dtype=np.float32), condition=None,
+    )  # fmt: skip
+    empty = np.zeros((length, dim), np.float32)
+    empty[0] = 9.0
+    rows = rank_rows(batch, np.full(b, 500.0), np.ones(b), seed=1, step=2, loss_weighting="none",
+                     caption_dropout=0.5, empty_text=empty)  # fmt: skip
+    dropped = caption_dropped(1, 2, np.arange(b), 0.5)
+    assert 0 < dropped.sum() < b
+    np.testing.assert_array_equal(rows.text[dropped], np.broadcast_to(empty, (dropped.sum(), length, dim)))
+    np.testing.assert_array_equal(rows.text[~dropped], batch.text_embeds[~dropped])
+    with pytest.raises(ValueError, match="empty-prompt embedding"):
+        rank_rows(batch, np.full(b, 500.0), np.ones(b), seed=1, step=2, loss_weighting="none", caption_dropout=0.5)

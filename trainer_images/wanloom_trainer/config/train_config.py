@@ -25,6 +25,7 @@ from wanloom_api.trainingjob import (
     DataSpec,
     OptimizerSpec,
     Remat,
+    TrackingSpec,
     TrainingJob,
     TrainingJobSpec,
 )
@@ -121,12 +122,15 @@ class TrainConfig:
     data: DataSpec  # uri and index: gs:// or absolute
     adaptive_load: AdaptiveLoadSpec  # benchFile: gs:// or absolute
     checkpoint: CheckpointSpec  # uri: gs://, absolute or None
+    tracking: TrackingSpec  # tensorboardUri: gs://, absolute or None
     distributed: DistributedConfig
     steps: int
     global_batch: int
     seed: int
     # Share of video samples a unified TI2V model trains as image-to-video (train.objective); 0 otherwise.
     image_to_video_fraction: float
+    # Share of samples trained on the dataset's empty-prompt embedding (train.objective.caption_dropped).
+    caption_dropout: float
     log_every: int
     metrics_port: int  # 0 disables the exporter
     run_dir: str
@@ -164,11 +168,13 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         data=spec.data.model_copy(update={"uri": _uri(spec.data.uri), "index": _uri(spec.data.index)}),
         adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
         checkpoint=spec.training.checkpoint.model_copy(update={"uri": _uri(spec.training.checkpoint.uri)}),
+        tracking=spec.tracking.model_copy(update={"tensorboard_uri": _uri(spec.tracking.tensorboard_uri)}),
         distributed=distributed_from_env(env),
         steps=spec.training.steps,
         global_batch=spec.training.global_batch,
         seed=spec.training.seed,
         image_to_video_fraction=spec.image_to_video_fraction,
+        caption_dropout=spec.caption_dropout,
         log_every=spec.training.log_every,
         metrics_port=env_int(env, keys.ENV_METRICS_PORT, spec.metrics_port, minimum=0),
         run_dir=_local_path(env.get(keys.ENV_RUN_DIR) or str(Path("runs") / job.metadata.name)),

@@ -18,6 +18,9 @@ from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.data.format import FORMAT_NAME, FORMAT_VERSION, MEMBERS, STORAGE_DTYPES
 
 INDEX_NAME = "index.json"
+# The text encoder's output for the empty prompt "" (real tokens only, float32 [L, D_text]), beside the index:
+# what caption dropout trains the unconditional branch on.
+EMPTY_PROMPT_NAME = "empty_prompt.npy"
 SHARD_DIR = "shards"
 
 

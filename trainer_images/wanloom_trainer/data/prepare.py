@@ -139,6 +139,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True, encoders: Any = Non
             samples = _encode_shard(shard_items, config, variant, encoders, skipped, bar)
             writer.write_shard(k, samples, skipped)
         bar.close()
+    if not writer.has_empty_prompt():  # encoded as the Wan pipelines encode "" (caption dropout trains on it)
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
     return PrepareResult(writer.finalize(), writer.skipped())
 
 

@@ -19,6 +19,7 @@ bytes) never raise out of ``load`` on their own: each is logged, reported throug
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ import numpy as np
 from wanloom_trainer.data import skips
 from wanloom_trainer.data.fit import fit_latents
 from wanloom_trainer.data.format import MEMBERS, TENSOR_MEMBERS, CorruptSample, decode_tensor
-from wanloom_trainer.data.index import INDEX_NAME, ShapeIndex
+from wanloom_trainer.data.index import EMPTY_PROMPT_NAME, INDEX_NAME, ShapeIndex
 from wanloom_trainer.data.outage import OutageHook, StorageBreaker
 from wanloom_trainer.data.shards import payload_crc
 from wanloom_trainer.data.storage import MissingObject, RetryPolicy, Storage, open_storage, split_uri
@@ -140,6 +141,18 @@ class LatentDataset:
     @property
     def text_dim(self) -> int:
         return self.index.header.text_dim
+
+    def empty_prompt(self) -> np.ndarray:
+        """float32 [text_len, text_dim]: the empty prompt's embedding, zero-padded like every sample's text."""
+        if not self.storage.exists(EMPTY_PROMPT_NAME):
+            raise ValueError(
+                f"spec.data.captionDropout: the dataset at {self.storage.uri} has no {EMPTY_PROMPT_NAME} "
+                "(datasets prepared before it existed); re-run `wanloom data prepare` on it, or set captionDropout: 0"
+            )
+        text = np.load(io.BytesIO(self.storage.read(EMPTY_PROMPT_NAME)), allow_pickle=False)
+        padded = np.zeros((self.text_len, self.text_dim), np.float32)
+        padded[: text.shape[0]] = text
+        return padded
 
     # --- loading ---------------------------------------------------------------------------------------------
     def load(self, sample_ids: Any, latent_shape: tuple[int, int, int] | None = None) -> LatentBatch:

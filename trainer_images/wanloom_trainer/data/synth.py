@@ -242,6 +242,9 @@ def write_synthetic(
         writer.write_shard(k, (synth_sample(i, seed, variant, mixture, bank) for i in ids))
         bar.update(len(ids))
     bar.close()
+    # A synthetic "empty prompt": one token of its own pattern, so dropped captions differ from every prototype's.
+    empty = np.random.default_rng([seed, 0xE0]).normal(0.0, 0.5, (1, variant.text_dim)).astype(np.float32)
+    writer.write_empty_prompt(empty)
     return writer.finalize()
 
 

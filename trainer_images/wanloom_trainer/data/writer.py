@@ -9,6 +9,7 @@ records the settings; resuming with different settings is refused rather than mi
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 from collections.abc import Iterable
@@ -18,7 +19,14 @@ from typing import Any
 import numpy as np
 
 from wanloom_trainer.data.format import MEMBERS, EncodedSample, encode_sample
-from wanloom_trainer.data.index import INDEX_NAME, DatasetHeader, ShapeIndex, shard_manifest_name, shard_name
+from wanloom_trainer.data.index import (
+    EMPTY_PROMPT_NAME,
+    INDEX_NAME,
+    DatasetHeader,
+    ShapeIndex,
+    shard_manifest_name,
+    shard_name,
+)
 from wanloom_trainer.data.shards import ShardWriter
 from wanloom_trainer.data.storage import Storage
 
@@ -38,6 +46,21 @@ class DatasetWriter:
         if num_shards < 1:
             raise ValueError(f"a dataset needs at least one shard, got {num_shards}")
         self.storage, self.header, self.num_shards = storage, header, num_shards
+
+    def has_empty_prompt(self) -> bool:
+        return self.storage.exists(EMPTY_PROMPT_NAME)
+
+    def write_empty_prompt(self, text: np.ndarray) -> None:
+        """Store the empty prompt's embedding (float32 [L, D_text], L ≤ text_len real tokens) with the dataset."""
+        text = np.asarray(text, np.float32)
+        if text.ndim != 2 or text.shape[1] != self.header.text_dim or not 1 <= text.shape[0] <= self.header.text_len:
+            raise ValueError(
+                f"empty-prompt embedding has shape {text.shape}; expected [1..{self.header.text_len}, "
+                f"{self.header.text_dim}]"
+            )
+        buffer = io.BytesIO()
+        np.save(buffer, text, allow_pickle=False)
+        self.storage.write(EMPTY_PROMPT_NAME, buffer.getvalue())
 
     def start(self) -> list[int]:
         """Record the build settings (or check them against an earlier, interrupted build); return shards to do."""

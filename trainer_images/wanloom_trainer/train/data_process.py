@@ -220,7 +220,7 @@ def _serve(pipeline: Pipeline, log_level: int, steps: Any, events: Any, control:
         plans = PlansAhead(_plans(planner, schedule, start, config.steps, ranks), depth=PLAN_DEPTH)
         closers.append(plans.close)
         copies = itertools.tee(plans, len(ranks)) if len(ranks) > 1 else (plans,)
-        prepare = step_rows(config)
+        prepare = step_rows(config, dataset.empty_prompt() if config.caption_dropout > 0 else None)
         prefetchers = [PlanPrefetcher(dataset, p, r, config.data.prefetch, prepare=prepare)
                        for p, r in zip(copies, ranks, strict=True)]  # fmt: skip
         closers.extend(p.close for p in prefetchers)

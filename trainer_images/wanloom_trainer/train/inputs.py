@@ -17,7 +17,7 @@ import numpy as np
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.routing import loss_weights
 from wanloom_trainer.train.backend import RankRows, Slot
-from wanloom_trainer.train.objective import batch_noise, clean_first_frames
+from wanloom_trainer.train.objective import batch_noise, caption_dropped, clean_first_frames
 from wanloom_trainer.train.packing import PackedRows, pack_rows
 
 
@@ -42,22 +42,32 @@ def rank_rows(
     step: int,
     loss_weighting: str,
     image_to_video: float | None = None,
+    caption_dropout: float = 0.0,
+    empty_text: np.ndarray | None = None,
 ) -> RankRows:
     """Loaded rows (``data.LatentBatch``) with their planned timesteps and weights as one rank's rows, with their
     noise and loss weights.
 
     ``image_to_video``: for a unified TI2V model, the share of video rows whose first frame is kept clean
     (``objective.clean_first_frames``); None for the other models (no per-token timesteps).
+    ``caption_dropout``: the share of rows whose text is replaced by ``empty_text`` (float32 [L, D_text], the
+    dataset's empty-prompt embedding zero-padded like every text; ``objective.caption_dropped``).
     """
     timesteps = timesteps.astype(np.float32)
     weights = (weights * loss_weights(timesteps, loss_weighting)).astype(np.float32)
     clean = None
     if image_to_video is not None:
         clean = clean_first_frames(seed, step, batch.sample_ids, batch.latents.shape[2], image_to_video)
+    text = batch.text_embeds
+    if caption_dropout > 0.0:
+        if empty_text is None:
+            raise ValueError("caption dropout needs the dataset's empty-prompt embedding")
+        dropped = caption_dropped(seed, step, batch.sample_ids, caption_dropout)
+        text = np.where(dropped[:, None, None], empty_text[None], text).astype(np.float32, copy=False)
     return RankRows(
         sample_ids=np.asarray(batch.sample_ids, dtype=np.int64),
         latents=batch.latents,
-        text=batch.text_embeds,
+        text=text,
         noise=batch_noise(seed, step, batch.sample_ids, batch.latents.shape[1:]),
         timesteps=timesteps,
         weights=weights,
@@ -117,13 +127,16 @@ def renormalised(slots: list[Slot], factor: float) -> list[Slot]:
     ]  # fmt: skip
 
 
-def step_rows(config: Any) -> Any:
+def step_rows(config: Any, empty_text: np.ndarray | None = None) -> Any:
     """The prefetcher's ``prepare``: a loaded micro-batch as rows (``loaded_rows`` with the run's settings), built in
-    the data process's loading threads so the training process does not generate noise or pack rows itself."""
+    the data process's loading threads so the training process does not generate noise or pack rows itself.
+    ``empty_text``: the dataset's padded empty-prompt embedding, needed when ``config.caption_dropout`` > 0."""
     return functools.partial(
         loaded_rows,
         seed=config.seed,
         patch=config.model.wan.patch_size,
         loss_weighting=config.routing.loss_weighting,
         image_to_video=config.image_to_video_fraction if config.model.wan.per_token_timesteps else None,
+        caption_dropout=config.caption_dropout,
+        empty_text=empty_text,
     )

@@ -28,6 +28,7 @@ import numpy as np
 NUM_TRAIN_TIMESTEPS = 1000
 _NOISE_STREAM = 0x4E01  # separates noise draws from routing (0x57A9) and data-order consumers of the same seed
 _I2V_STREAM = 0x1F2E
+_CAPTION_STREAM = 0xCA9D
 
 
 def sample_noise(seed: int, step: int, sample_id: int, shape: Sequence[int]) -> np.ndarray:
@@ -61,6 +62,19 @@ def clean_first_frames(
         for i in sample_ids
     ]
     return (np.asarray(draws) < fraction).astype(np.float32)
+
+
+def caption_dropped(seed: int, step: int, sample_ids: Sequence[int], share: float) -> np.ndarray:
+    """bool [b]: the rows trained on the empty prompt this step, each real sample drawn independently with
+    probability ``share`` from ``(seed, step, sample_id)`` (so a resumed run drops the same ones); placeholder
+    rows (id < 0) never."""
+    if share <= 0.0:
+        return np.zeros(len(sample_ids), bool)
+    draws = [
+        np.random.default_rng([int(seed), int(step), int(i), _CAPTION_STREAM]).random() if int(i) >= 0 else 1.0
+        for i in sample_ids
+    ]
+    return np.asarray(draws) < share
 
 
 def frame_timesteps_np(timesteps: np.ndarray, clean_first_frame: np.ndarray, latent_frames: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Any
 from wanloom_trainer import flops
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.metrics.records import StepLog, StepRecord
+from wanloom_trainer.tracking import open_trackers
 from wanloom_trainer.train.backend import StepOutputs
 from wanloom_trainer.train.loss_log import LossLog
 
@@ -71,6 +72,7 @@ class Reporter:
         self.config, self.process_index, self.metrics = config, process_index, metrics
         self.primary = process_index == 0
         self.log = LossLog(config.run_dir, start_step) if self.primary else None
+        self.trackers = open_trackers(config, start_step) if self.primary else None
         self.bar = None
         if self.primary and progress:
             from tqdm import tqdm
@@ -85,6 +87,8 @@ class Reporter:
         self.metrics.record_step(self._prometheus_record(record, plan, every, num_devices))
         if self.log is not None:
             self.log.append(record)
+        if self.trackers is not None:
+            self.trackers.step(record)
         if self.bar is not None:
             self.bar.set_postfix_str(progress_text(record), refresh=False)
             self.bar.update(1)
@@ -101,6 +105,8 @@ class Reporter:
             self.bar.close()
         if self.log is not None:
             self.log.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def _prometheus_record(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> StepRecord:
         times, busy, predicted = (every[:, i].tolist() if self.primary else None for i in range(3))

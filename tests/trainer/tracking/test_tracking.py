@@ -1,0 +1,132 @@
+"""Experiment tracking of a real tiny run: TensorBoard event files (read back as TFRecords of Event protos) and an
+offline W&B run, both holding the step log's numbers; the tensorboard folder beside a gs:// checkpoint root."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+STEPS = 3
+
+
+def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from every event file under ``folder`` (TFRecord: length, crc, Event proto, crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("tracked")
+    doc = yaml.safe_load((ROOT / "jobs/tiny-local.yaml").read_text())
+    doc["spec"]["data"]["uri"] = str(workdir / "data")
+    doc["spec"]["optimizer"]["warmupSteps"] = 1
+    doc["spec"]["training"].update(steps=STEPS, checkpoint={"uri": str(workdir / "ckpt"), "interval": 10})
+    doc["spec"]["tracking"] = {"wandb": {"project": "wanloom-test", "mode": "offline"}}
+    (workdir / "job.yaml").write_text(yaml.safe_dump(doc))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
+    }
+    args = ["run", str(workdir / "job.yaml"), "--no-progress", "--metrics-port", "0", "--run-dir", str(workdir / "run")]
+    proc = subprocess.run(
+        [sys.executable, "-c", "from wanloom_cli import main; main()", *args],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return workdir / "run"
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tensorboard_has_every_step_of_the_step_log(tracked_run: Path) -> None:
+    scalars = read_scalars(tracked_run / "tensorboard")
+    steps = _steps(tracked_run)
+    assert len(steps) == STEPS
+    for record in steps:
+        step = record["step"]
+        assert scalars["train/loss"][step] == pytest.approx(record["loss"], rel=1e-6)
+        for expert, loss in record["expert_loss"].items():
+            assert scalars[f"train/loss/{expert}"][step] == pytest.approx(loss, rel=1e-6)
+        assert scalars["perf/step_time_s"][step] == pytest.approx(record["step_time_s"], rel=1e-6)
+        assert scalars["train/learning_rate/high_noise"][step] == pytest.approx(
+            record["learning_rate"]["high_noise"], rel=1e-6
+        )
+
+
+def read_wandb_history(path: Path) -> dict[int, dict[str, float]]:
+    """step -> logged values from an offline run's ``.wandb`` file: a 7-byte header, then records in 32 KiB blocks
+    (each piece: crc32 u32, length u16, type u8 full/first/middle/last) holding ``wandb_internal_pb2.Record``s."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block, offset, pending = path.read_bytes(), 32768, 7, b""
+    history: dict[int, dict[str, float]] = {}
+    while offset < len(data):
+        left = block - offset % block
+        if left < 7:  # a block's tail too short for a header is padding
+            offset += left
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, offset)
+        pending += data[offset + 7 : offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = Record.FromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                values = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                history[record.history.step.num] = values
+    return history
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_holds_every_step(tracked_run: Path) -> None:
+    runs = sorted((tracked_run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tracked_run / "wandb").iterdir())
+    history = read_wandb_history(next(runs[0].glob("*.wandb")))
+    for record in _steps(tracked_run):
+        values = history[record["step"]]
+        assert values["train/loss"] == pytest.approx(record["loss"], rel=1e-6)
+        assert values["train/loss/low_noise"] == pytest.approx(record["expert_loss"]["low_noise"], rel=1e-6)
+
+
+def test_tensorboard_goes_beside_a_gcs_checkpoint_root(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from wanloom_trainer.tracking import tensorboard_dir
+
+    def config(checkpoint: str | None, uri: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            run_dir="/runs/job",
+            checkpoint=SimpleNamespace(uri=checkpoint),
+            tracking=SimpleNamespace(tensorboard_uri=uri),
+        )
+
+    assert tensorboard_dir(config("gs://bucket/team/job/checkpoints")) == "gs://bucket/team/job/tensorboard"
+    assert tensorboard_dir(config("gs://bucket/")) == "gs://bucket/tensorboard"
+    assert tensorboard_dir(config("/data/ckpt")) == "/runs/job/tensorboard"
+    assert tensorboard_dir(config(None)) == "/runs/job/tensorboard"
+    assert tensorboard_dir(config("gs://bucket/ckpt", "gs://other/tb")) == "gs://other/tb"

@@ -1,0 +1,99 @@
+"""Experiment tracking for researchers (Prometheus stays for operations): TensorBoard event files and Weights &
+Biases, fed by process 0 from the same per-step numbers as the step log.
+
+``open_trackers(config, start_step)`` returns the configured trackers behind one ``Trackers`` object; each takes
+``scalars(step, values)`` and ``close()``. A resumed run continues the same history: TensorBoard purges the events
+at or after the step it restarts from, like the step log; W&B resumes its run and ignores steps it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from wanloom_api.metrics import EXPERT_LABELS
+from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.metrics.records import StepLog
+
+log = logging.getLogger(__name__)
+
+
+class Tracker(Protocol):
+    def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tensorboard_dir(config: TrainConfig) -> str:
+    """``spec.tracking.tensorboardUri``, else ``<run dir>/tensorboard`` for a local (or no) checkpoint root, else
+    ``tensorboard/`` beside the gs:// checkpoint root (a pod's run directory does not outlive it)."""
+    if config.tracking.tensorboard_uri is not None:
+        return config.tracking.tensorboard_uri
+    root = config.checkpoint.uri
+    if root is None or not root.startswith("gs://"):
+        return f"{config.run_dir}/tensorboard"
+    parent = root.rstrip("/").rpartition("/")[0]
+    return f"{parent if parent != 'gs:/' else root.rstrip('/')}/tensorboard"
+
+
+def step_scalars(record: StepLog) -> dict[str, float]:
+    """A step's numbers under the names the trackers show (``train/``, per expert ``train/loss/high_noise``)."""
+    values = {
+        "train/loss": record.loss,
+        "perf/step_time_s": record.step_time_s,
+        "perf/tokens_per_s": record.tokens_per_s,
+        "perf/data_wait_s": record.data_wait_s,
+    }
+    if record.mfu is not None:
+        values["perf/mfu"] = record.mfu
+    for per_expert, prefix in (
+        (record.expert_loss, "train/loss"),
+        (record.grad_norm, "train/grad_norm"),
+        (record.learning_rate, "train/learning_rate"),
+    ):
+        values.update({f"{prefix}/{EXPERT_LABELS[e]}": float(v) for e, v in per_expert.items()})
+    return values
+
+
+class Trackers:
+    """Every configured tracker; a tracker that fails is reported once and dropped: tracking never stops a run."""
+
+    def __init__(self, trackers: list[tuple[str, Tracker]]) -> None:
+        self._trackers = trackers
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self._trackers]
+
+    def step(self, record: StepLog) -> None:
+        self.scalars(record.step, step_scalars(record))
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        for name, tracker in list(self._trackers):
+            try:
+                tracker.scalars(step, values)
+            except Exception as exc:  # any tracker failure: report it, drop the tracker, keep training
+                log.warning("tracking: %s failed (%s); no more %s records this run", name, exc, name)
+                self._trackers.remove((name, tracker))
+
+    def close(self) -> None:
+        for name, tracker in self._trackers:
+            try:
+                tracker.close()
+            except Exception as exc:
+                log.warning("tracking: closing %s failed (%s)", name, exc)
+
+
+def open_trackers(config: TrainConfig, start_step: int) -> Trackers:
+    """The trackers ``config.tracking`` asks for (call on process 0 only)."""
+    trackers: list[tuple[str, Any]] = []
+    if config.tracking.tensorboard:
+        from wanloom_trainer.tracking.tensorboard import TensorBoardTracker
+
+        trackers.append(("tensorboard", TensorBoardTracker(tensorboard_dir(config), start_step)))
+    if config.tracking.wandb is not None:
+        from wanloom_trainer.tracking.wandb_tracker import WandbTracker
+
+        trackers.append(("wandb", WandbTracker(config, start_step)))
+    return Trackers(trackers)

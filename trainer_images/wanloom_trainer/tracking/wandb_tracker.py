@@ -1,0 +1,40 @@
+"""Weights & Biases (``spec.tracking.wandb``): one W&B run per TrainingJob, resumed across restarts.
+
+The W&B run id is derived from the job's name and namespace, so a restarted pod (or a rerun of ``wanloom run``)
+continues the same run; ``mode: offline`` writes it under ``<run dir>/wandb`` for ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+from wanloom_trainer.config.train_config import TrainConfig
+
+
+def run_id(config: TrainConfig) -> str:
+    return hashlib.sha256(f"{config.namespace or ''}/{config.job_name}".encode()).hexdigest()[:16]
+
+
+class WandbTracker:
+    def __init__(self, config: TrainConfig, start_step: int) -> None:
+        import wandb
+
+        spec = config.tracking.wandb
+        self._run = wandb.init(
+            project=spec.project,
+            entity=spec.entity,
+            mode=spec.mode,
+            dir=config.run_dir,
+            name=config.job_name,
+            id=run_id(config),
+            resume="allow",
+            config={"variant": config.model.variant, "global_batch": config.global_batch, "steps": config.steps},
+        )
+        self.start_step = start_step
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        self._run.log(dict(values), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
