@@ -32,6 +32,8 @@ class Metric(StrEnum):
     LOSS = "wanloom_loss"
     GRAD_NORM = "wanloom_grad_norm"
     LEARNING_RATE = "wanloom_learning_rate"
+    VALIDATION_LOSS = "wanloom_validation_loss"
+    VALIDATION_SECONDS = "wanloom_validation_seconds"
     EXPERT_STEPS_TOTAL = "wanloom_expert_steps_total"
     EXPERT_SAMPLES_TOTAL = "wanloom_expert_samples_total"
     EXPERT_EXPECTED_SHARE_RATIO = "wanloom_expert_expected_share_ratio"
@@ -141,6 +143,14 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(Metric.LOSS, "gauge", "Mean flow-matching loss of the last step, per expert.", _TE),
     MetricDef(Metric.GRAD_NORM, "gauge", "Global gradient norm of the last step, per expert.", _TE),
     MetricDef(Metric.LEARNING_RATE, "gauge", "Learning rate of the last step, per expert.", _TE),
+    MetricDef(
+        Metric.VALIDATION_LOSS,
+        "gauge",
+        "Mean flow-matching loss of the held-out samples at the fixed timesteps of each expert's band (last "
+        "validation).",
+        _TE,
+    ),
+    MetricDef(Metric.VALIDATION_SECONDS, "gauge", "Wall time of the last validation (not in step time).", _T),
     MetricDef(Metric.EXPERT_STEPS_TOTAL, "counter", "Optimizer steps that updated each expert.", _TE),
     MetricDef(Metric.EXPERT_SAMPLES_TOTAL, "counter", "Training samples routed to each expert.", _TE),
     MetricDef(

@@ -427,6 +427,20 @@ class CheckpointSpec(_Model):
     keep: int = Field(3, ge=1, description="Checkpoints retained (oldest deleted first).")
 
 
+class ValidationSpec(_Model):
+    every_steps: int = Field(ge=1, description="Steps between validations (and one after the last step).")
+    samples: int = Field(
+        8, ge=1, le=4096, description="Dataset samples held out of training (a seeded choice) and validated on."
+    )
+    timesteps_per_expert: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Fixed timesteps per expert band (the midpoints of equal parts of the band) each held-out "
+        "sample is scored at, with fixed noise: the validation loss is deterministic.",
+    )
+
+
 class WandbSpec(_Model):
     project: str = Field(min_length=1, max_length=128, description="W&B project the run logs to.")
     entity: str | None = Field(None, min_length=1, description="W&B team or user; unset: the API key's default.")
@@ -638,6 +652,9 @@ class TrainingJobSpec(_Model):
     kernels: KernelsSpec = Field(default_factory=KernelsSpec, description="Kernel implementations.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Device mesh and remat.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW per expert.")
+    validation: ValidationSpec | None = Field(
+        None, description="Held-out validation loss per expert band while training; unset disables it."
+    )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, Weights & Biases."
     )

@@ -14,7 +14,11 @@ import typer
 
 from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
 
-STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: the run checkpointed and stopped early
+STOPPED_EXIT_CODE = 143
+_EXPERTS = {
+    0: "high_noise",
+    1: "low_noise",
+}  # routing's expert ids, as the metrics name them  # 128 + SIGTERM: the run checkpointed and stopped early
 
 
 def run(
@@ -120,6 +124,11 @@ def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: f
             f"{sum(r.tokens for r in records) / busy if busy else 0:,.0f} tokens/s, {mfu}, "
             f"{skipped} samples skipped"
         )
+    validations = getattr(result, "validations", [])
+    if validations:
+        last = validations[-1]
+        losses = ", ".join(f"{_EXPERTS.get(e, e)} {v:.4f}" for e, v in sorted(last.losses.items()))
+        typer.echo(f"validation loss after step {last.step}: {losses} ({len(validations)} validations)")
     checkpoints = getattr(result, "checkpoints", [])
     if checkpoints:
         typer.echo(f"checkpoints at steps {', '.join(map(str, checkpoints))} in {checkpoint_uri}")

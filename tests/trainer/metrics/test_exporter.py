@@ -63,6 +63,7 @@ def _record_everything(m: TrainerMetrics) -> None:
     m.record_skipped("corrupt", 2)
     m.record_data_wait(0.02)
     m.record_cost_model({"in_use": 0.2, "refit": 0.05, "analytic": 0.08}, "accepted")
+    m.record_validation({0: 0.31, 1: 0.12}, 4.5)
 
 
 def test_rank0_exports_every_trainer_metric_of_the_contract() -> None:
@@ -162,6 +163,9 @@ def test_checkpoint_and_loader_metrics() -> None:
     assert _value(m, "wanloom_checkpoint_duration_seconds_sum") == pytest.approx(3.0)
     assert _value(m, "wanloom_skipped_samples_total", reason="corrupt") == 2
     assert _value(m, "wanloom_data_wait_seconds_count", rank="0") == 1
+    assert _value(m, "wanloom_validation_loss", expert="high_noise") == pytest.approx(0.31)
+    assert _value(m, "wanloom_validation_loss", expert="low_noise") == pytest.approx(0.12)
+    assert _value(m, "wanloom_validation_seconds") == pytest.approx(4.5)
 
 
 def test_unknown_accelerator_skips_mfu_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -42,6 +42,7 @@ def tracked_run(tmp_path_factory) -> Path:
     doc["spec"]["optimizer"]["warmupSteps"] = 1
     doc["spec"]["training"].update(steps=STEPS, checkpoint={"uri": str(workdir / "ckpt"), "interval": 10})
     doc["spec"]["tracking"] = {"wandb": {"project": "wanloom-test", "mode": "offline"}}
+    doc["spec"]["validation"] = {"everySteps": STEPS, "samples": 4}
     (workdir / "job.yaml").write_text(yaml.safe_dump(doc))
     env = {
         **os.environ,
@@ -76,6 +77,9 @@ def test_tensorboard_has_every_step_of_the_step_log(tracked_run: Path) -> None:
         assert scalars["train/learning_rate/high_noise"][step] == pytest.approx(
             record["learning_rate"]["high_noise"], rel=1e-6
         )
+    (validation,) = (json.loads(line) for line in (tracked_run / "validation.jsonl").read_text().splitlines())
+    for expert, loss in validation["losses"].items():  # at the last step it follows
+        assert scalars[f"val/loss/{expert}"] == {STEPS - 1: pytest.approx(loss, rel=1e-6)}
 
 
 def read_wandb_history(path: Path) -> dict[int, dict[str, float]]:

@@ -28,6 +28,7 @@ from wanloom_api.trainingjob import (
     TrackingSpec,
     TrainingJob,
     TrainingJobSpec,
+    ValidationSpec,
 )
 from wanloom_api.validation import device_count, load_trainingjob_file, resolve_parallelism
 from wanloom_trainer.config.environment import DistributedConfig, distributed_from_env, env_int
@@ -123,6 +124,7 @@ class TrainConfig:
     adaptive_load: AdaptiveLoadSpec  # benchFile: gs:// or absolute
     checkpoint: CheckpointSpec  # uri: gs://, absolute or None
     tracking: TrackingSpec  # tensorboardUri: gs://, absolute or None
+    validation: ValidationSpec | None
     distributed: DistributedConfig
     steps: int
     global_batch: int
@@ -168,6 +170,7 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         data=spec.data.model_copy(update={"uri": _uri(spec.data.uri), "index": _uri(spec.data.index)}),
         adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
         checkpoint=spec.training.checkpoint.model_copy(update={"uri": _uri(spec.training.checkpoint.uri)}),
+        validation=spec.validation,
         tracking=spec.tracking.model_copy(update={"tensorboard_uri": _uri(spec.tracking.tensorboard_uri)}),
         distributed=distributed_from_env(env),
         steps=spec.training.steps,

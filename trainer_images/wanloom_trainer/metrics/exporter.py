@@ -103,6 +103,15 @@ class TrainerMetrics:
         self._metric(Metric.LAST_CHECKPOINT_DURATION_SECONDS).labels(self.trainingjob).set(duration_s)
         self._metric(Metric.LAST_CHECKPOINT_TIMESTAMP_SECONDS).labels(self.trainingjob).set(timestamp)
 
+    def record_validation(self, losses: dict[int, float], seconds: float) -> None:
+        """A validation's loss per expert id and its wall time (rank 0 exports it; other ranks ignore the call)."""
+        _require(seconds >= 0 and math.isfinite(seconds), f"record_validation: bad seconds {seconds}")
+        if self.rank != 0:
+            return
+        for expert, loss in losses.items():
+            self._metric(Metric.VALIDATION_LOSS).labels(self.trainingjob, expert_label(expert)).set(loss)
+        self._metric(Metric.VALIDATION_SECONDS).labels(self.trainingjob).set(seconds)
+
     def record_skipped(self, reason: str, n: int = 1, *, distinct: int = 0) -> None:
         """``n`` planned rows the loader could not fill on this rank, ``distinct`` of them samples not skipped before
         (``reason``: a short fixed word, e.g. "corrupt")."""

@@ -17,6 +17,7 @@ import numpy as np
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.routing import loss_weights
 from wanloom_trainer.train.backend import RankRows, Slot
+from wanloom_trainer.train.holdout import training_samples
 from wanloom_trainer.train.objective import batch_noise, caption_dropped, clean_first_frames
 from wanloom_trainer.train.packing import PackedRows, pack_rows
 
@@ -27,6 +28,7 @@ def make_planner(config: TrainConfig, sample_shapes: Any, *, layout: str) -> Any
     from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
     from wanloom_trainer.adaptiveload.planner import planner_from_config
 
+    sample_shapes = training_samples(sample_shapes, config.validation, config.seed)  # held-out samples stay out
     al = config.adaptive_load
     cost = resolve_cost_model(config, sample_shapes=sample_shapes).model
     policy = al.scheduler if al.enabled else "equal-tokens"

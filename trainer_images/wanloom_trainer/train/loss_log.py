@@ -1,5 +1,5 @@
-"""The run's step log (``<run_dir>/steps.jsonl``), its events (``<run_dir>/events.jsonl``) and the loss-curve plot
-(``<run_dir>/loss.png``).
+"""The run's step log (``<run_dir>/steps.jsonl``), its events (``<run_dir>/events.jsonl``), its validation losses
+(``<run_dir>/validation.jsonl``, with ``spec.validation``) and the loss-curve plot (``<run_dir>/loss.png``).
 
 One JSON object per optimizer step, written by process 0 only. A resumed run first drops the records of steps it
 is about to run again, so the file always describes one consistent history (a killed run may have logged steps
@@ -20,6 +20,22 @@ if TYPE_CHECKING:
 
 from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer.metrics.records import StepLog
+
+
+@dataclass(frozen=True)
+class ValidationRecord:
+    """The held-out loss per expert name after ``step`` steps (``train.validation``), and its wall time."""
+
+    step: int
+    losses: dict[str, float]
+    seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> ValidationRecord:
+        return cls(**json.loads(line))
 
 
 @dataclass(frozen=True)
@@ -56,8 +72,14 @@ class LossLog:
         if start_step > 0:
             events.append(RunEvent("resume", start_step))
         self.events_path.write_text("".join(e.to_json() + "\n" for e in events))
+        # A validation after step N ran once step N's checkpoint was saved: a run resuming at N keeps it.
+        self.validation_path = Path(run_dir) / "validation.jsonl"
+        validations = read_validation(self.validation_path) if self.validation_path.exists() else []
+        kept_validations = [v for v in validations if v.step <= start_step]
+        self.validation_path.write_text("".join(v.to_json() + "\n" for v in kept_validations))
         self._file = self.path.open("a")
         self._events = self.events_path.open("a")
+        self._validation = self.validation_path.open("a")
 
     def append(self, record: StepLog) -> None:
         self._file.write(record.to_json() + "\n")
@@ -67,9 +89,14 @@ class LossLog:
         self._events.write(RunEvent("checkpoint", step).to_json() + "\n")
         self._events.flush()
 
+    def validation(self, record: ValidationRecord) -> None:
+        self._validation.write(record.to_json() + "\n")
+        self._validation.flush()
+
     def close(self) -> None:
         self._file.close()
         self._events.close()
+        self._validation.close()
 
 
 def read_log(path: str | Path) -> list[StepLog]:
@@ -82,20 +109,34 @@ def read_events(path: str | Path) -> list[RunEvent]:
     return [RunEvent.from_json(line) for line in text.splitlines() if line.strip()]
 
 
-def plot_losses(records: Sequence[StepLog], events: Sequence[RunEvent], path: str | Path, title: str) -> Path:
+def read_validation(path: str | Path) -> list[ValidationRecord]:
+    text = Path(path).read_text()
+    return [ValidationRecord.from_json(line) for line in text.splitlines() if line.strip()]
+
+
+def plot_losses(
+    records: Sequence[StepLog],
+    events: Sequence[RunEvent],
+    path: str | Path,
+    title: str,
+    validations: Sequence[ValidationRecord] = (),
+) -> Path:
     """Draw ``loss_figure`` to a PNG; returns its path."""
     import matplotlib.pyplot as plt
 
-    fig = loss_figure(records, events, title)
+    fig = loss_figure(records, events, title, validations)
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
-def loss_figure(records: Sequence[StepLog], events: Sequence[RunEvent], title: str) -> Figure:
-    """Loss per step (total and per expert, log scale) with a moving average, each expert's learning rate on a
-    second axis, and vertical lines where checkpoints committed and where the run resumed."""
+def loss_figure(
+    records: Sequence[StepLog], events: Sequence[RunEvent], title: str, validations: Sequence[ValidationRecord] = ()
+) -> Figure:
+    """Loss per step (total and per expert, log scale) with a moving average, the held-out validation loss per
+    expert as markers (at the last step before it), each expert's learning rate on a second axis, and vertical
+    lines where checkpoints committed and where the run resumed."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: pods and CI
@@ -110,6 +151,12 @@ def loss_figure(records: Sequence[StepLog], events: Sequence[RunEvent], title: s
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, _moving_average(list(ys)), color=color, lw=1.2, label=f"{EXPERT_LABELS[expert]} (avg)")
+        held_out = [
+            (v.step - 1, v.losses[EXPERT_LABELS[expert]]) for v in validations if EXPERT_LABELS[expert] in v.losses
+        ]
+        if held_out:
+            xs, ys = zip(*held_out, strict=True)
+            ax.plot(xs, ys, color=color, marker="o", ls="--", lw=0.8, label=f"{EXPERT_LABELS[expert]} validation")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("flow-matching loss")

@@ -12,12 +12,13 @@ import logging
 import time
 from typing import Any
 
+from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer import flops
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.metrics.records import StepLog, StepRecord
 from wanloom_trainer.tracking import open_trackers
 from wanloom_trainer.train.backend import StepOutputs
-from wanloom_trainer.train.loss_log import LossLog
+from wanloom_trainer.train.loss_log import LossLog, ValidationRecord
 
 log = logging.getLogger(__name__)
 _SHORT = {0: "hi", 1: "lo"}
@@ -94,6 +95,20 @@ class Reporter:
             self.bar.update(1)
         elif self.primary and (record.step + 1) % self.config.log_every == 0:
             log.info("step %d/%d %s", record.step + 1, self.config.steps, progress_text(record))
+
+    def validation(self, result: Any) -> None:
+        """A ``validation.ValidationResult``: Prometheus, the trackers (at the step it follows) and the log."""
+        self.metrics.record_validation(result.losses, result.seconds)
+        if not self.primary:
+            return
+        by_name = {EXPERT_LABELS[e]: v for e, v in sorted(result.losses.items())}
+        if self.log is not None:
+            self.log.validation(ValidationRecord(result.step, by_name, result.seconds))
+        values = {f"val/loss/{name}": v for name, v in by_name.items()}
+        if self.trackers is not None:
+            self.trackers.scalars(result.step - 1, {**values, "perf/validation_s": result.seconds})
+        losses = ", ".join(f"{name} {v:.4f}" for name, v in by_name.items())
+        log.info("validation after step %d: %s (%.1f s)", result.step, losses, result.seconds)
 
     def checkpoint(self, next_step: int, seconds: float) -> None:
         self.metrics.record_checkpoint(next_step, seconds, time.time())

@@ -32,10 +32,11 @@ from wanloom_trainer.metrics.records import StepLog
 from wanloom_trainer.train.backend import Backend, StepInputs
 from wanloom_trainer.train.data_process import PLAN_DEPTH, STEPS_AHEAD, DataProcess, Pipeline
 from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
-from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log
+from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log, read_validation
 from wanloom_trainer.train.plan_ahead import CostSchedule
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
+from wanloom_trainer.train.validation import Validator
 
 if TYPE_CHECKING:
     from wanloom_trainer.adaptiveload.plan import LocalPlan
@@ -57,6 +58,7 @@ class RunResult:
     checkpoints: list[int] = field(default_factory=list)  # committed, in order
     plot: Path | None = None
     stopped_by: str | None = None  # the signal that ended the run early (after a committed checkpoint)
+    validations: list[Any] = field(default_factory=list)  # validation.ValidationResult, in order
 
 
 class StopRequest:
@@ -123,6 +125,8 @@ def run(
         result = RunResult(start_step=start, next_step=start)
         stop = stack.enter_context(StopRequest().installed())
         loop = _Loop(config, backend, planner, reporter, result, on_step, stop)
+        if config.validation is not None:
+            loop.validator = Validator(config, backend, dataset, loop.ranks)
         state = loop.run(state, start, meta)  # 5. loop
         finish(config, backend, result, reporter)  # 6. finish
     return result
@@ -188,6 +192,7 @@ class _Loop:
         self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 + STEPS_AHEAD if al.refit_every_steps else None
         self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
         self._last_step_end: float | None = None
+        self.validator: Validator | None = None
 
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
         from wanloom_trainer.adaptiveload.cost_model import cost_model_from_dict
@@ -288,7 +293,18 @@ class _Loop:
             self.result.records.append(record)
         if self.on_step is not None:
             self.on_step(record)
-        return self._checkpoint(state, plan.step + 1)
+        state = self._checkpoint(state, plan.step + 1)
+        self._validate(state, plan.step + 1)
+        return state
+
+    def _validate(self, state: Any, steps_done: int) -> None:
+        """Score the held-out samples when due; the next step's time starts after it (reported apart)."""
+        if self.validator is None or not self.validator.due(steps_done):
+            return
+        result = self.validator.run(state, steps_done)
+        self.reporter.validation(result)
+        self.result.validations.append(result)
+        self._last_step_end = time.perf_counter()
 
     def _refit(self, plan: LocalPlan, out: StepOutputs) -> None:
         """Add the step's slot timings; every ``refit_every`` steps refit (process 0), report, and — with
@@ -362,6 +378,7 @@ def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: R
     records = read_log(reporter.log.path)
     if records:
         events = read_events(reporter.log.events_path)
+        validations = read_validation(reporter.log.validation_path)
         result.plot = plot_losses(
-            records, events, Path(config.run_dir) / "loss.png", f"{config.job_name}: flow-matching loss"
+            records, events, Path(config.run_dir) / "loss.png", f"{config.job_name}: flow-matching loss", validations
         )
