@@ -280,6 +280,8 @@ class DataSpec(_Model):
 FRAMES_4K_PLUS_1 = "frames must be 4k+1 (1, 5, ..., 81) to match the VAE's temporal stride"
 MULTIPLE_OF_16 = "must be a multiple of 16 (VAE stride 8 x patch 2)"
 WARMUP_WITHIN_STEPS = "optimizer.warmupSteps must not exceed training.steps"
+EXPORT_NEEDS_CHECKPOINTS = "export needs training.checkpoint.uri: the final checkpoint is what it exports"
+EXPORT_EMA_NEEDS_EMA = "export.ema needs optimizer.ema: without it no EMA weights are kept"
 SPLASH_NEEDS_TPU = "splash attention needs tpu resources"
 TORCH_ATTENTION = "sdpa and flash attention need the torch backend; use auto or xla for jax"
 XLA_ATTENTION = "xla attention needs the jax backend; use auto, sdpa or flash"
@@ -439,6 +441,17 @@ class ValidationSpec(_Model):
         description="Fixed timesteps per expert band (the midpoints of equal parts of the band) each held-out "
         "sample is scored at, with fixed noise: the validation loss is deterministic.",
     )
+
+
+class ExportSpec(_Model):
+    uri: StorageURI = Field(min_length=1, description="Destination folder (gs:// or a path) of the exported model.")
+    format: Literal["diffusers", "wan"] = Field(
+        "diffusers",
+        description="diffusers: transformer/ (+ transformer_2/) folders; wan: one original-Wan-keys safetensors file "
+        "per expert (ComfyUI).",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype of every tensor written.")
+    ema: bool = Field(False, description="Export the EMA weights (needs spec.optimizer.ema).")
 
 
 class WandbSpec(_Model):
@@ -631,6 +644,12 @@ class TrainingJobSpec(_Model):
         (f"self.kernels.attention != 'xla' || {_BACKEND_CEL} == 'jax'", XLA_ATTENTION, ".kernels.attention"),
         (_parallelism_cel()[1], GLOBAL_BATCH_PER_RANK, ".training.globalBatch"),
         (
+            "!has(self.export) || has(self.training.checkpoint.uri)",
+            EXPORT_NEEDS_CHECKPOINTS,
+            ".export",
+        ),
+        ("!has(self.export) || !self.export.ema || has(self.optimizer.ema)", EXPORT_EMA_NEEDS_EMA, ".export.ema"),
+        (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
             "|| !has(self.routing) || !has(self.routing.boundaryRatio)",
             "routing.boundaryRatio must be unset for a single-model variant",
@@ -654,6 +673,11 @@ class TrainingJobSpec(_Model):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW per expert.")
     validation: ValidationSpec | None = Field(
         None, description="Held-out validation loss per expert band while training; unset disables it."
+    )
+    export: ExportSpec | None = Field(
+        None,
+        description="Export the final checkpoint when the run completes (`wanloom export`); status.exportUri names "
+        "it once the TrainingJob has succeeded. Needs training.checkpoint.uri.",
     )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, Weights & Biases."
@@ -749,6 +773,9 @@ class TrainingJobStatus(_StatusModel):
     completion_time: datetime | None = Field(None, description="When the job succeeded or failed.")
     progress: Progress | None = Field(None, description="Training progress read from rank 0's metrics.")
     message: str | None = Field(None, description="Human-readable summary of the latest problem, if any.")
+    export_uri: str | None = Field(
+        None, description="Where the trained model was exported (spec.export.uri), once the run has succeeded."
+    )
 
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"

@@ -23,6 +23,8 @@ from wanloom_api.trainingjob import (
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
+    EXPORT_EMA_NEEDS_EMA,
+    EXPORT_NEEDS_CHECKPOINTS,
     FRAMES_4K_PLUS_1,
     GCS_URI_PATTERN,
     GLOBAL_BATCH_PER_RANK,
@@ -309,6 +311,8 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
         "spec.data.index": spec.data.index,
         "spec.training.checkpoint.uri": spec.training.checkpoint.uri,
         "spec.adaptiveLoad.benchFile": spec.adaptive_load.bench_file,
+        "spec.export.uri": spec.export.uri if spec.export is not None else None,
+        "spec.tracking.tensorboardUri": spec.tracking.tensorboard_uri,
     }
     for path, uri in uris.items():
         if uri is None:
@@ -318,6 +322,10 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
 
 
 def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    if spec.export is not None and spec.training.checkpoint.uri is None:
+        yield FieldError("spec.export", EXPORT_NEEDS_CHECKPOINTS)
+    if spec.export is not None and spec.export.ema and spec.optimizer.ema is None:
+        yield FieldError("spec.export.ema", EXPORT_EMA_NEEDS_EMA)
     if spec.optimizer.warmup_steps > spec.training.steps:
         yield FieldError(
             "spec.optimizer.warmupSteps",

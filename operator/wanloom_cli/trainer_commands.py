@@ -132,6 +132,9 @@ def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: f
     checkpoints = getattr(result, "checkpoints", [])
     if checkpoints:
         typer.echo(f"checkpoints at steps {', '.join(map(str, checkpoints))} in {checkpoint_uri}")
+    exported = getattr(result, "exported", None)
+    if exported is not None:
+        typer.echo(f"model exported to {exported.out} (spec.export)")
     plot = getattr(result, "plot", None)
     typer.echo(f"step log: {run_dir}/steps.jsonl" + (f"; loss curve: {plot}" if plot else ""))
 

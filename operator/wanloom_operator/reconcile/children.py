@@ -345,7 +345,8 @@ def _name_conflict(out: Outcome, name: str) -> None:
 
 
 def _intent(job: TrainingJob) -> Intent:
-    return Intent(suspend=job.spec.suspend, queue_name=job.spec.resources.queue_name)
+    export_uri = job.spec.export.uri if job.spec.export is not None else None
+    return Intent(suspend=job.spec.suspend, queue_name=job.spec.resources.queue_name, export_uri=export_uri)
 
 
 def _suspended(jobset: Mapping[str, Any]) -> bool:

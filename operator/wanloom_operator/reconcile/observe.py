@@ -181,4 +181,5 @@ def _intent(trainingjob: Mapping[str, Any]) -> Intent:
         suspend=bool(spec.get("suspend")),
         queue_name=(spec.get("resources") or {}).get("queueName"),
         deadline=run_deadline(status.get("startTime"), spec.get("activeDeadlineSeconds")),
+        export_uri=(spec.get("export") or {}).get("uri"),
     )

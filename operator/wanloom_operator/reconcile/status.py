@@ -46,6 +46,8 @@ class Intent:
     # When the whole run's spec.activeDeadlineSeconds runs out (status.startTime + it; RFC 3339), restarts
     # included: a Job's own deadline starts again with every restart.
     deadline: datetime | None = None
+    # spec.export.uri: the trainer exports before it exits, so a succeeded run has written it.
+    export_uri: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ def derive_status(
     if info.phase in TERMINAL_PHASES:
         patch["completionTime"] = previous.get("completionTime") or now
         patch["message"] = info.message or info.reason
+    if info.phase == Phase.SUCCEEDED and intent.export_uri:
+        patch["exportUri"] = intent.export_uri
     return patch
 
 

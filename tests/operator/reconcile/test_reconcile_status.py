@@ -88,3 +88,13 @@ def test_the_whole_run_deadline_fails_the_job_whatever_the_jobset_says() -> None
     done = jobset(conditions=[("Completed", "True", "x")])
     assert derive_phase(done, Intent(deadline=deadline), "2026-12-01T12:00:00Z").phase == "Succeeded"
     assert run_deadline(None, 3600) is None and run_deadline("2026-12-01T10:00:00Z", None) is None
+
+
+def test_a_succeeded_run_names_its_export_and_a_running_one_does_not() -> None:
+    intent = Intent(export_uri="gs://models/tiny/export")
+    completed = jobset(conditions=[("Completed", "True", "AllJobsCompleted")])
+    done = derive_status(completed, intent, {}, now="2026-12-03T10:00:00Z")
+    assert done["exportUri"] == "gs://models/tiny/export"
+    TrainingJobStatus.model_validate(done)
+    for js in (jobset(active=2, ready=2), jobset(conditions=[("Failed", "True", "ReachedMaxRestarts")])):
+        assert "exportUri" not in derive_status(js, intent, {}, now="T1")

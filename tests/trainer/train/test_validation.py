@@ -109,3 +109,30 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
     assert [(v["step"], v["losses"]) for v in resumed] == [(v["step"], v["losses"]) for v in whole]
     resumed_steps = _lines(tmp_path / "run" / "steps.jsonl")
     assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in whole_steps]
+
+
+@pytest.mark.slow
+def test_spec_export_writes_the_final_model_when_the_run_completes(tiny: Any, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from wanloom_api.validation import validate_trainingjob
+
+    export = {"uri": str(tmp_path / "model"), "format": "wan", "dtype": "float32"}
+    spec = {"export": export, "optimizer": {"warmupSteps": 1}, "training": {"steps": 2}}
+    job = tiny.write_job(tmp_path / "job.yaml", tiny.tiny_job(tmp_path, **spec))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
+    }
+    proc = _run(job, tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"model exported to {tmp_path / 'model'} (spec.export)" in proc.stdout
+    files = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert files == ["tiny-local_high_noise.safetensors", "tiny-local_low_noise.safetensors"]
+    assert "head.modulation" in load_file(tmp_path / "model" / files[0])
+
+    doc = tiny.tiny_job(tmp_path).model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["export"] = {**export, "ema": True}
+    errors = {e.path: e.message for e in validate_trainingjob(doc).errors}
+    assert errors == {"spec.export.ema": "export.ema needs optimizer.ema: without it no EMA weights are kept"}

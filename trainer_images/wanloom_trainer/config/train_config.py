@@ -23,6 +23,7 @@ from wanloom_api.trainingjob import (
     AdaptiveLoadSpec,
     CheckpointSpec,
     DataSpec,
+    ExportSpec,
     OptimizerSpec,
     Remat,
     TrackingSpec,
@@ -125,6 +126,7 @@ class TrainConfig:
     checkpoint: CheckpointSpec  # uri: gs://, absolute or None
     tracking: TrackingSpec  # tensorboardUri: gs://, absolute or None
     validation: ValidationSpec | None
+    export: ExportSpec | None  # uri: gs:// or absolute
     distributed: DistributedConfig
     steps: int
     global_batch: int
@@ -171,6 +173,7 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
         checkpoint=spec.training.checkpoint.model_copy(update={"uri": _uri(spec.training.checkpoint.uri)}),
         validation=spec.validation,
+        export=None if spec.export is None else spec.export.model_copy(update={"uri": _uri(spec.export.uri)}),
         tracking=spec.tracking.model_copy(update={"tensorboard_uri": _uri(spec.tracking.tensorboard_uri)}),
         distributed=distributed_from_env(env),
         steps=spec.training.steps,

@@ -59,6 +59,7 @@ class RunResult:
     plot: Path | None = None
     stopped_by: str | None = None  # the signal that ended the run early (after a committed checkpoint)
     validations: list[Any] = field(default_factory=list)  # validation.ValidationResult, in order
+    exported: Any = None  # export.layouts.Exported of spec.export, once written (process 0)
 
 
 class StopRequest:
@@ -146,6 +147,21 @@ def open_data(config: TrainConfig, backend: Backend) -> LatentDataset:
         max_bad_samples=config.data.max_bad_samples,
         storage_outage_s=config.data.storage_outage_seconds,
     )
+
+
+def export_final(config: TrainConfig) -> Any:
+    """Write the last checkpoint in the layout ``spec.export`` asks for; an error fails the run (the TrainingJob
+    only succeeds with its model written)."""
+    from wanloom_trainer.export.layouts import export_from
+
+    spec = config.export
+    exported = export_from(
+        config.checkpoint.uri, config.model.wan, step=config.steps, ema=spec.ema, fmt=spec.format, out=spec.uri,
+        name=config.job_name, dtype=spec.dtype,
+    )  # fmt: skip
+    log.info("exported the %s weights of step %d (%s, %s) to %s", "EMA" if spec.ema else "trained", exported.step,
+             spec.format, spec.dtype, spec.uri)  # fmt: skip
+    return exported
 
 
 def initial_state(config: TrainConfig, backend: Backend) -> tuple[Any, int, dict[str, Any]]:
@@ -370,9 +386,14 @@ class _Loop:
 
 
 def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: Reporter) -> None:
-    """Draw the loss curve of the whole history, resumed parts included (process 0). The final checkpoint is
-    already written: the loop treats next_step == steps as due."""
-    if backend.process_index != 0 or reporter.log is None:
+    """Export the final checkpoint (``spec.export``) and draw the loss curve of the whole history, resumed parts
+    included (process 0). The final checkpoint is already committed: the loop treats next_step == steps as due and
+    waits for its save."""
+    if backend.process_index != 0:
+        return
+    if config.export is not None and result.next_step == config.steps and result.stopped_by is None:
+        result.exported = export_final(config)
+    if reporter.log is None:
         return
     reporter.log.close()
     records = read_log(reporter.log.path)
