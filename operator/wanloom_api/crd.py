@@ -135,7 +135,17 @@ def _default_objects(schema: dict[str, Any]) -> None:
 def _spec_schema() -> dict[str, Any]:
     spec = _schema_of(tj.TrainingJobSpec)
     # Optional sub-objects whose mere presence means something must not be defaulted into existence.
-    for path in (("resources", "tpu"), ("resources", "gpu"), ("resources", "cpu"), ("data", "synthetic")):
+    optional = (
+        ("resources", "tpu"),
+        ("resources", "gpu"),
+        ("resources", "cpu"),
+        ("data", "synthetic"),
+        ("optimizer", "ema"),
+        ("validation",),
+        ("export",),
+        ("tracking", "wandb"),
+    )
+    for path in optional:
         node = spec
         for part in path:
             node = node["properties"][part]

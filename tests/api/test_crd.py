@@ -136,3 +136,42 @@ def test_object_defaults_are_written_out_for_their_cel_rules() -> None:
         children = {k: c["default"] for k, c in node.get("properties", {}).items() if "default" in c}
         assert node["default"] == children, path
     assert defaulted >= 5
+
+
+def _optional_objects(model: type, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Paths of the spec's ``X | None = None`` sub-objects: their presence turns something on."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        args = typing.get_args(field.annotation)
+        inner = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if (
+            isinstance(field.annotation, types.UnionType | typing._UnionGenericAlias)
+            and inner
+            and field.default is None
+        ):
+            out.append((*path, key))
+        nested = field.annotation if isinstance(field.annotation, type) else None
+        if nested is not None and issubclass(nested, BaseModel):
+            out.extend(_optional_objects(nested, (*path, key)))
+    return out
+
+
+def test_optional_objects_are_never_defaulted_into_existence() -> None:
+    """An API-server default for e.g. spec.optimizer.ema would turn EMA on for every job sent through kubectl."""
+    from wanloom_api.trainingjob import TrainingJobSpec
+
+    spec = _schema()["properties"]["spec"]
+    paths = _optional_objects(TrainingJobSpec)
+    assert {("optimizer", "ema"), ("validation",), ("export",), ("tracking", "wandb")} <= set(paths)
+    for path in paths:
+        parent, node = spec, spec
+        for key in path:
+            parent, node = node, node["properties"][key]
+        assert "default" not in node, f"spec.{'.'.join(path)} gets a default"
+        assert path[-1] not in parent.get("default", {}), f"the default of spec.{'.'.join(path[:-1])} sets it"
