@@ -80,6 +80,17 @@ DEFAULT_CAPTION_DROPOUT: dict[str, float] = {
     "tiny-i2v": 0.0,
     "tiny-ti2v": 0.0,
 }
+# Sampling defaults for validation videos per variant, (steps, shift, guidance (high-noise, low-noise)): the Wan 2.2
+# release's inference configs (wan/configs: t2v_A14B shift 12, guide (4.0 high, 3.0 low); i2v_A14B shift 5, guide
+# 3.5; ti2v_5B shift 5, guide 5), with 40 Euler steps; the tiny models were trained unshifted.
+DEFAULT_SAMPLING: dict[str, tuple[int, float, tuple[float, float]]] = {
+    "wan2.2-t2v-a14b": (40, 12.0, (4.0, 3.0)),
+    "wan2.2-i2v-a14b": (40, 5.0, (3.5, 3.5)),
+    "wan2.2-ti2v-5b": (40, 5.0, (5.0, 5.0)),
+    "tiny": (8, 1.0, (3.0, 3.0)),
+    "tiny-i2v": (8, 1.0, (3.0, 3.0)),
+    "tiny-ti2v": (8, 1.0, (3.0, 3.0)),
+}
 DType = Literal["float32", "bfloat16"]
 AdalnImpl = Literal["fused", "reference"]
 Remat = Literal["none", "full", "save-matmuls", "save-attention"]
@@ -430,6 +441,10 @@ class CheckpointSpec(_Model):
 
 
 class ValidationSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("self.videos <= self.samples", "videos are generated from held-out samples: at most samples", ".videos"),
+    )
+
     every_steps: int = Field(ge=1, description="Steps between validations (and one after the last step).")
     samples: int = Field(
         8, ge=1, le=4096, description="Dataset samples held out of training (a seeded choice) and validated on."
@@ -440,6 +455,29 @@ class ValidationSpec(_Model):
         le=64,
         description="Fixed timesteps per expert band (the midpoints of equal parts of the band) each held-out "
         "sample is scored at, with fixed noise: the validation loss is deterministic.",
+    )
+    videos: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Held-out samples generated from their text (and I2V image) at each validation, decoded to "
+        "mp4 and a contact sheet under <run dir>/samples/step-NNNNNN/ (beside a gs:// checkpoint root on a "
+        "cluster); 0 disables generation.",
+    )
+    inference_steps: int | None = Field(
+        None, ge=1, le=1000, description="Sampler steps. Default per variant: 40 (Wan 2.2), 8 (tiny)."
+    )
+    guidance_scale: float | None = Field(
+        None,
+        ge=1.0,
+        le=30.0,
+        description="Classifier-free guidance for both experts. Default per variant: Wan 2.2's (T2V-A14B 4.0 "
+        "high-noise / 3.0 low-noise, I2V-A14B 3.5, TI2V-5B 5.0; tiny 3.0).",
+    )
+    vae: StorageURI | None = Field(
+        None,
+        description="Diffusers AutoencoderKLWan folder the videos are decoded with. Default: <model.weights>/vae; "
+        "the tiny variants without weights use a small random VAE (shapes only).",
     )
 
 

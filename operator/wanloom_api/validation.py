@@ -313,6 +313,7 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
         "spec.adaptiveLoad.benchFile": spec.adaptive_load.bench_file,
         "spec.export.uri": spec.export.uri if spec.export is not None else None,
         "spec.tracking.tensorboardUri": spec.tracking.tensorboard_uri,
+        "spec.validation.vae": spec.validation.vae if spec.validation is not None else None,
     }
     for path, uri in uris.items():
         if uri is None:
@@ -326,6 +327,12 @@ def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
         yield FieldError("spec.export", EXPORT_NEEDS_CHECKPOINTS)
     if spec.export is not None and spec.export.ema and spec.optimizer.ema is None:
         yield FieldError("spec.export.ema", EXPORT_EMA_NEEDS_EMA)
+    if spec.validation is not None and spec.validation.videos > spec.validation.samples:
+        yield FieldError(
+            "spec.validation.videos",
+            f"videos are generated from held-out samples: at most samples ({spec.validation.videos} > "
+            f"{spec.validation.samples})",
+        )
     if spec.optimizer.warmup_steps > spec.training.steps:
         yield FieldError(
             "spec.optimizer.warmupSteps",

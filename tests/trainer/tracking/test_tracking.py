@@ -3,6 +3,7 @@ offline W&B run, both holding the step log's numbers; the tensorboard folder bes
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -17,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[3]
 STEPS = 3
 
 
-def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} from every event file under ``folder`` (TFRecord: length, crc, Event proto, crc)."""
+def read_scalars(folder: Path, images: dict[str, dict[int, bytes]] | None = None) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from every event file under ``folder`` (TFRecord: length, crc, Event proto, crc); image
+    summaries go into ``images`` (tag -> {step: encoded PNG})."""
     from tensorboardX.proto.event_pb2 import Event
 
     scalars: dict[str, dict[int, float]] = {}
@@ -30,7 +32,10 @@ def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
             event = Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+                if value.HasField("image") and images is not None:
+                    images.setdefault(value.tag, {})[event.step] = value.image.encoded_image_string
+                elif not value.HasField("image"):
+                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
     return scalars
 
 
@@ -65,7 +70,8 @@ def _steps(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_tensorboard_has_every_step_of_the_step_log(tracked_run: Path) -> None:
-    scalars = read_scalars(tracked_run / "tensorboard")
+    images: dict[str, dict[int, bytes]] = {}
+    scalars = read_scalars(tracked_run / "tensorboard", images)
     steps = _steps(tracked_run)
     assert len(steps) == STEPS
     for record in steps:
@@ -80,6 +86,11 @@ def test_tensorboard_has_every_step_of_the_step_log(tracked_run: Path) -> None:
     (validation,) = (json.loads(line) for line in (tracked_run / "validation.jsonl").read_text().splitlines())
     for expert, loss in validation["losses"].items():  # at the last step it follows
         assert scalars[f"val/loss/{expert}"] == {STEPS - 1: pytest.approx(loss, rel=1e-6)}
+    sheet = tracked_run / "samples" / f"step-{STEPS:06d}" / "contact-sheet.png"
+    from PIL import Image
+
+    logged = Image.open(io.BytesIO(images["samples/contact-sheet"][STEPS - 1]))
+    assert logged.size == Image.open(sheet).size
 
 
 def read_wandb_history(path: Path) -> dict[int, dict[str, float]]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import av
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ from wanloom_trainer.train.holdout import held_out_ids
 from wanloom_trainer.train.validation import band_timesteps
 
 ROOT = Path(__file__).resolve().parents[3]
-VALIDATION = {"everySteps": 2, "samples": 5, "timestepsPerExpert": 3}
+VALIDATION = {"everySteps": 2, "samples": 5, "timestepsPerExpert": 3, "videos": 2, "inferenceSteps": 4}
 
 
 def test_band_timesteps_are_the_midpoints_of_each_experts_band() -> None:
@@ -98,6 +99,17 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
         assert all(0.0 < loss < 100.0 for loss in record["losses"].values())
         assert record["seconds"] > 0.0
     assert whole[0]["losses"] != whole[1]["losses"]  # the weights moved between the two
+    samples = tmp_path / "run" / "samples"
+    assert sorted(p.name for p in samples.iterdir()) == ["step-000002", "step-000004"]
+    for folder in samples.iterdir():
+        names = sorted(p.name for p in folder.iterdir())
+        assert len(names) == 3 and names[0] == "contact-sheet.png" and all(n.endswith(".mp4") for n in names[1:])
+        for video in names[1:]:
+            with av.open(str(folder / video)) as container:
+                frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            assert frames and frames[0].shape[2] == 3 and frames[0].shape[0] % 8 == frames[0].shape[1] % 8 == 0
+    sheets = [(samples / f"step-00000{s}" / "contact-sheet.png").read_bytes() for s in (2, 4)]
+    assert sheets[0] != sheets[1]  # same noise and prompts, other weights
 
     last = "4" if backend == "jax" else "step_00000004"
     shutil.rmtree(tmp_path / "checkpoints" / last)  # as if killed before the last checkpoint
@@ -107,6 +119,8 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
     resumed = _lines(tmp_path / "run" / "validation.jsonl")
     # step 2's record stays from the first run; step 4's is recomputed after the resume, to the bit
     assert [(v["step"], v["losses"]) for v in resumed] == [(v["step"], v["losses"]) for v in whole]
+    # the videos after step 4 are made again from the same weights, noise and prompts: the same pixels
+    assert (samples / "step-000004" / "contact-sheet.png").read_bytes() == sheets[1]
     resumed_steps = _lines(tmp_path / "run" / "steps.jsonl")
     assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in whole_steps]
 

@@ -142,12 +142,13 @@ class LatentDataset:
     def text_dim(self) -> int:
         return self.index.header.text_dim
 
-    def empty_prompt(self) -> np.ndarray:
-        """float32 [text_len, text_dim]: the empty prompt's embedding, zero-padded like every sample's text."""
+    def empty_prompt(self, needed_by: str = "spec.data.captionDropout") -> np.ndarray:
+        """float32 [text_len, text_dim]: the empty prompt's embedding, zero-padded like every sample's text;
+        ``needed_by`` names the setting that asked for it in the error when the dataset has none."""
         if not self.storage.exists(EMPTY_PROMPT_NAME):
             raise ValueError(
-                f"spec.data.captionDropout: the dataset at {self.storage.uri} has no {EMPTY_PROMPT_NAME} "
-                "(datasets prepared before it existed); re-run `wanloom data prepare` on it, or set captionDropout: 0"
+                f"{needed_by}: the dataset at {self.storage.uri} has no {EMPTY_PROMPT_NAME} (datasets prepared "
+                "before it existed); re-run `wanloom data prepare` on it, or turn the setting off"
             )
         text = np.load(io.BytesIO(self.storage.read(EMPTY_PROMPT_NAME)), allow_pickle=False)
         padded = np.zeros((self.text_len, self.text_dim), np.float32)

@@ -22,19 +22,28 @@ log = logging.getLogger(__name__)
 class Tracker(Protocol):
     def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
 
+    def media(self, step: int, images: Mapping[str, str], videos: Mapping[str, str]) -> None:
+        """PNG and mp4 files (local paths) under their tags."""
+        ...
+
     def close(self) -> None: ...
 
 
-def tensorboard_dir(config: TrainConfig) -> str:
-    """``spec.tracking.tensorboardUri``, else ``<run dir>/tensorboard`` for a local (or no) checkpoint root, else
-    ``tensorboard/`` beside the gs:// checkpoint root (a pod's run directory does not outlive it)."""
-    if config.tracking.tensorboard_uri is not None:
-        return config.tracking.tensorboard_uri
+def artifact_dir(config: TrainConfig, name: str) -> str:
+    """Where a run keeps ``name`` (tensorboard, samples): ``<run dir>/<name>`` for a local (or no) checkpoint root,
+    else ``<name>/`` beside the gs:// checkpoint root (a pod's run directory does not outlive it)."""
     root = config.checkpoint.uri
     if root is None or not root.startswith("gs://"):
-        return f"{config.run_dir}/tensorboard"
+        return f"{config.run_dir}/{name}"
     parent = root.rstrip("/").rpartition("/")[0]
-    return f"{parent if parent != 'gs:/' else root.rstrip('/')}/tensorboard"
+    return f"{parent if parent != 'gs:/' else root.rstrip('/')}/{name}"
+
+
+def tensorboard_dir(config: TrainConfig) -> str:
+    """``spec.tracking.tensorboardUri``, else ``artifact_dir(config, "tensorboard")``."""
+    if config.tracking.tensorboard_uri is not None:
+        return config.tracking.tensorboard_uri
+    return artifact_dir(config, "tensorboard")
 
 
 def step_scalars(record: StepLog) -> dict[str, float]:
@@ -70,9 +79,15 @@ class Trackers:
         self.scalars(record.step, step_scalars(record))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        self._each("scalars", step, values)
+
+    def media(self, step: int, images: Mapping[str, str], videos: Mapping[str, str]) -> None:
+        self._each("media", step, images, videos)
+
+    def _each(self, method: str, *args: Any) -> None:
         for name, tracker in list(self._trackers):
             try:
-                tracker.scalars(step, values)
+                getattr(tracker, method)(*args)
             except Exception as exc:  # any tracker failure: report it, drop the tracker, keep training
                 log.warning("tracking: %s failed (%s); no more %s records this run", name, exc, name)
                 self._trackers.remove((name, tracker))

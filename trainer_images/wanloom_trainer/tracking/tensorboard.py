@@ -23,5 +23,16 @@ class TensorBoardTracker:
         for tag, value in values.items():
             self._writer.add_scalar(tag, float(value), global_step=step)
 
+    def media(self, step: int, images: Mapping[str, str], videos: Mapping[str, str]) -> None:
+        """Images only: tensorboardX encodes videos through moviepy, which the images do not ship; the mp4 files
+        sit beside the event files' run (``samples/``)."""
+        import numpy as np
+        from PIL import Image
+
+        for tag, path in images.items():
+            self._writer.add_image(
+                tag, np.asarray(Image.open(path).convert("RGB")), global_step=step, dataformats="HWC"
+            )
+
     def close(self) -> None:
         self._writer.close()

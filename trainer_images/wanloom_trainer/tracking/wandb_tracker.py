@@ -36,5 +36,12 @@ class WandbTracker:
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         self._run.log(dict(values), step=step)
 
+    def media(self, step: int, images: Mapping[str, str], videos: Mapping[str, str]) -> None:
+        import wandb
+
+        logged = {tag: wandb.Image(path) for tag, path in images.items()}
+        logged.update({tag: wandb.Video(path, format="mp4") for tag, path in videos.items()})
+        self._run.log(logged, step=step)
+
     def close(self) -> None:
         self._run.finish()

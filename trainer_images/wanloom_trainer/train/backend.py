@@ -153,6 +153,15 @@ class Backend(Protocol):
         """Accumulate gradients over the slots, update the experts that got samples; see the module docstring."""
         ...
 
+    def evaluate(self, state: Any, slot: Slot) -> float:
+        """Σ weights·loss of one slot through its expert, without gradients, summed over all ranks."""
+        ...
+
+    def predict(self, state: Any, expert: int, x: np.ndarray, t: np.ndarray, text: np.ndarray) -> np.ndarray:
+        """The expert's velocity (float32 [B, C_out, ...]) for model inputs x [B, C_in, T', H', W'], t [B] and
+        text [B, L, D]: every process calls it with the same arrays and gets the whole result (sampling)."""
+        ...
+
     def save(self, state: Any, next_step: int, meta: Mapping[str, Any]) -> float:
         """Checkpoint (atomically) everything needed to resume at ``next_step``; ``meta`` is JSON-serialisable.
         May finish in the background; returns the seconds the caller was blocked."""

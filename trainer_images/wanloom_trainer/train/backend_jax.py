@@ -121,6 +121,7 @@ class JaxBackend:
             opt_shardings=self._opt_shardings,
             replicated=self.shardings.replicated,
         )
+        self._predict: Any = None  # jitted on first use (sampling)
         self._checkpointer = None
         if config.checkpoint.uri is not None:
             from wanloom_trainer.checkpoint.orbax_checkpoint import OrbaxCheckpointer
@@ -277,6 +278,22 @@ class JaxBackend:
         """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
         batch, max_segment = self._device_batch(slot)
         return float(self.step_fns.evaluate(state.params[slot.expert], batch, max_segment))
+
+    def predict(self, state: JaxState, expert: int, x: np.ndarray, t: np.ndarray, text: np.ndarray) -> np.ndarray:
+        """Replicated inputs through the FSDP-sharded expert (XLA gathers the weights as in training)."""
+        if self._predict is None:
+            graphdef, treedef = self._graphdef, self._treedef
+
+            def forward(params: Any, x: jax.Array, t: jax.Array, text: jax.Array) -> jax.Array:
+                return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))(x, t, text).astype(jnp.float32)
+
+            self._predict = jax.jit(forward, out_shardings=self.shardings.replicated)
+        placed = [
+            jax.make_array_from_callback(a.shape, self.shardings.replicated, lambda index, a=a: a[index])
+            for a in (x.astype(np.float32), t.astype(np.float32), text.astype(np.float32))
+        ]
+        out = self._predict(state.params[expert], *placed)
+        return np.asarray(out.addressable_data(0))
 
     def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
         if self._checkpointer is None:

@@ -190,6 +190,18 @@ class TorchBackend:
             loss, _ = flow_matching_loss(state.experts[slot.expert], **batch, compute_dtype=self._compute_dtype)
         return float(self._sum_over_data_parallel(torch.tensor([float(loss)], dtype=torch.float64))[0])
 
+    def predict(self, state: TorchState, expert: int, x: np.ndarray, t: np.ndarray, text: np.ndarray) -> np.ndarray:
+        """Every rank runs the same inputs through its FSDP-wrapped expert (the all-gathers need every rank)."""
+        dtype = self._compute_dtype
+        with torch.no_grad():
+            out = state.experts[expert](
+                torch.from_numpy(x).to(self.device, dtype),
+                torch.from_numpy(t).to(self.device, torch.float32),
+                torch.from_numpy(text).to(self.device, dtype),
+                return_dict=False,
+            )[0]
+        return out.float().cpu().numpy()
+
     def save(self, state: TorchState, next_step: int, meta: Mapping[str, Any]) -> float:
         """Checkpoint both experts, optimizers and RNG with ``meta``; returns the seconds it took."""
         from wanloom_trainer.checkpoint.dcp_checkpoint import training_state

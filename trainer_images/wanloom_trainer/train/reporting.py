@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from wanloom_api.metrics import EXPERT_LABELS
@@ -105,8 +106,21 @@ class Reporter:
         if self.log is not None:
             self.log.validation(ValidationRecord(result.step, by_name, result.seconds))
         values = {f"val/loss/{name}": v for name, v in by_name.items()}
+        samples = result.samples
+        if samples is not None:
+            values["perf/sampling_s"] = result.sample_seconds
+            log.info("validation videos after step %d: %s/", result.step, samples.folder)
         if self.trackers is not None:
             self.trackers.scalars(result.step - 1, {**values, "perf/validation_s": result.seconds})
+            if samples is not None and samples.local is not None:
+                files = {name: str(samples.local / name) for name in samples.files}
+                images = {f"samples/{Path(n).stem}": f for n, f in files.items() if n.endswith(".png")}
+                videos = {f"samples/{Path(n).stem}": f for n, f in files.items() if n.endswith(".mp4")}
+                self.trackers.media(result.step - 1, images, videos)
+        if samples is not None:
+            from wanloom_trainer.train.samples import cleanup
+
+            cleanup(samples)
         losses = ", ".join(f"{name} {v:.4f}" for name, v in by_name.items())
         log.info("validation after step %d: %s (%.1f s)", result.step, losses, result.seconds)
 

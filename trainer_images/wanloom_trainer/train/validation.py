@@ -7,7 +7,8 @@ the high-noise expert and ``[0, boundary)`` for the low-noise one; ``[0, 1000)``
 expert that owns the band, with noise that depends only on (seed, sample): the numbers are comparable from one
 validation to the next, and a resumed run reproduces them.
 
-It runs on the training mesh through ``Backend.evaluate`` (the training loss without gradients, sharded like
+With ``videos``, the first held-out samples are also generated (``train.samples``). It all runs on the training
+mesh through ``Backend.evaluate`` and ``Backend.predict`` (the training loss without gradients, sharded like
 training), leaves parameters, optimizer state and every random stream untouched, and the loop reports its time
 apart from step time. Rows are dealt one per data-parallel rank per slot (rows of one latent shape and expert);
 ranks without a row get a copy of one with weight 0.
@@ -26,6 +27,7 @@ from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.train.backend import Slot
 from wanloom_trainer.train.holdout import held_out_ids
 from wanloom_trainer.train.inputs import rank_rows
+from wanloom_trainer.train.samples import SampleWriter
 
 # The noise of validation rows comes from this "step", far from any training step's.
 VALIDATION_STEP = 1 << 40
@@ -43,11 +45,14 @@ def band_timesteps(boundary_ratio: float | None, per_expert: int) -> list[tuple[
 
 @dataclass(frozen=True)
 class ValidationResult:
-    """One validation: after ``step`` steps, each expert's mean loss over its band, and its wall time."""
+    """One validation: after ``step`` steps, each expert's mean loss over its band and its wall time, and the
+    videos generated (``samples.Samples``; None without ``videos``) with theirs."""
 
     step: int
     losses: dict[int, float]
     seconds: float
+    samples: Any = None
+    sample_seconds: float = 0.0
 
 
 class Validator:
@@ -64,6 +69,7 @@ class Validator:
             for e, t in band_timesteps(config.routing.boundary_ratio, self.spec.timesteps_per_expert)
         ]
         self._batches: dict[int, Any] = {}  # held-out samples, loaded once
+        self.videos = SampleWriter(config, backend, dataset, self.ids) if self.spec.videos else None
 
     def due(self, steps_done: int) -> bool:
         return steps_done % self.spec.every_steps == 0 or steps_done == self.config.steps
@@ -73,7 +79,12 @@ class Validator:
         losses: dict[int, float] = {}
         for slot in self._slots():
             losses[slot.expert] = losses.get(slot.expert, 0.0) + self.backend.evaluate(state, slot)
-        return ValidationResult(steps_done, losses, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if self.videos is None:
+            return ValidationResult(steps_done, losses, seconds)
+        started = time.perf_counter()
+        samples = self.videos.run(state, steps_done)
+        return ValidationResult(steps_done, losses, seconds, samples, time.perf_counter() - started)
 
     def _slots(self) -> list[Slot]:
         """Slots of one expert and latent shape, a row per data-parallel rank (pairs in a fixed order)."""

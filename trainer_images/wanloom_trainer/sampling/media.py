@@ -1,0 +1,87 @@
+"""Latents → pixels → files: the Wan VAE decode (diffusers ``AutoencoderKLWan``, PyTorch), mp4 clips (PyAV) and a
+contact-sheet PNG (one row per sample, frames evenly spaced).
+
+Latents are the normalised ones the transformer sees (``data.encoders``: z = (μ − mean) / std), so decoding
+first undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae``
+builds a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of
+the right shape (enough to exercise the path, not to look at).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHEET_FRAMES = 5  # frames per sample on the contact sheet
+
+
+def small_vae(latent_channels: int, seed: int) -> Any:
+    """A ~0.6 M-parameter ``AutoencoderKLWan`` with the Wan strides (4 in time, 8 in space), random weights."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoencoderKLWan(
+            base_dim=8,
+            z_dim=latent_channels,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * latent_channels,
+            latents_std=[1.0] * latent_channels,
+        ).eval()
+
+
+def load_vae(folder: str | Path) -> Any:
+    """The Wan VAE of a diffusers repository's ``vae/`` folder (float32, CPU)."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def decode(vae: Any, latents: np.ndarray) -> np.ndarray:
+    """uint8 [B, F, H, W, 3] frames of normalised latents [B, C, T', H', W']."""
+    import torch
+
+    config = vae.config
+    mean = torch.tensor(config.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    std = torch.tensor(config.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(torch.from_numpy(latents).float() * std + mean).sample  # [B, 3, F, H, W] in [-1, 1]
+    pixels = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return pixels.permute(0, 2, 3, 4, 1).numpy()
+
+
+def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
+    """H.264 (yuv420p) mp4 of uint8 [F, H, W, 3] frames."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def contact_sheet(videos: Sequence[np.ndarray], path: Path) -> Path:
+    """A PNG grid: one row per video, ``SHEET_FRAMES`` frames evenly spaced (all of them when fewer)."""
+    from PIL import Image
+
+    rows = []
+    for frames in videos:
+        picks = np.unique(np.linspace(0, len(frames) - 1, min(SHEET_FRAMES, len(frames))).round().astype(int))
+        row = np.concatenate([frames[i] for i in picks], axis=1)
+        rows.append(row)
+    width = max(r.shape[1] for r in rows)
+    rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0))) for r in rows]
+    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+    return path
