@@ -11,7 +11,14 @@ import sys
 
 import typer
 
-from wanloom_cli import api_commands, data_commands, export_commands, operator_commands, trainer_commands
+from wanloom_cli import (
+    api_commands,
+    data_commands,
+    export_commands,
+    operator_commands,
+    sample_commands,
+    trainer_commands,
+)
 
 app = typer.Typer(
     name="wanloom",
@@ -25,6 +32,7 @@ operator_commands.register(app)
 trainer_commands.register(app)
 data_commands.register(app)
 export_commands.register(app)
+sample_commands.register(app)
 
 
 # What a command needs that an image may leave out, and where it is.

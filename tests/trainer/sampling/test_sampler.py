@@ -63,3 +63,29 @@ def test_media_files_decode_and_read_back(tmp_path: Path) -> None:
     assert len(decoded) == 9 and decoded[0].shape == (64, 64, 3)
     sheet = Image.open(media.contact_sheet([frames, frames[:1]], tmp_path / "sheet.png"))
     assert sheet.size == (5 * 64, 2 * 64)
+
+
+def test_saved_latents_decode_later_with_the_cli(tmp_path: Path) -> None:
+    """The TPU image saves latents only; `wanloom decode-samples` makes the clips wherever PyTorch runs."""
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from wanloom_cli import app
+    from wanloom_trainer.sampling.media import DecodeSpec
+
+    rng = np.random.default_rng(1)
+    for sid in (3, 7):
+        np.save(tmp_path / f"sample-{sid:06d}.npy", rng.standard_normal((1, 4, 3, 8, 8)).astype(np.float32))
+    DecodeSpec(vae=None, latent_channels=4, seed=0).write(tmp_path)
+    result = CliRunner().invoke(app, ["decode-samples", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in tmp_path.iterdir()} >= {"sample-000003.mp4", "sample-000007.mp4", "contact-sheet.png"}
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = CliRunner().invoke(app, ["decode-samples", str(empty)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"wanloom decode-samples: {empty}/decode.json not found: expected a validation samples folder "
+        "(samples/step-NNNNNN)"
+    ]

@@ -103,8 +103,10 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
     assert sorted(p.name for p in samples.iterdir()) == ["step-000002", "step-000004"]
     for folder in samples.iterdir():
         names = sorted(p.name for p in folder.iterdir())
-        assert len(names) == 3 and names[0] == "contact-sheet.png" and all(n.endswith(".mp4") for n in names[1:])
-        for video in names[1:]:
+        ids = sorted({n.split(".")[0] for n in names if n.startswith("sample-")})
+        assert len(ids) == VALIDATION["videos"]
+        assert names == ["contact-sheet.png", "decode.json", *sorted(f"{i}.{e}" for i in ids for e in ("mp4", "npy"))]
+        for video in (f"{i}.mp4" for i in ids):
             with av.open(str(folder / video)) as container:
                 frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
             assert frames and frames[0].shape[2] == 3 and frames[0].shape[0] % 8 == frames[0].shape[1] % 8 == 0

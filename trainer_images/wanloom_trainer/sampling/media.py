@@ -9,13 +9,68 @@ the right shape (enough to exercise the path, not to look at).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 SHEET_FRAMES = 5  # frames per sample on the contact sheet
+DECODE_FILE = "decode.json"
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How a samples folder's latents (``sample-<id>.npy``) decode: the VAE folder (None: ``small_vae`` of
+    ``latent_channels`` seeded with ``seed``) and the clips' frame rate. Written beside the latents, so a folder
+    saved where no VAE can run (the TPU image has no PyTorch) decodes later with ``wanloom decode-samples``."""
+
+    vae: str | None
+    latent_channels: int
+    seed: int
+    fps: int = 16
+
+    def write(self, folder: Path) -> Path:
+        path = folder / DECODE_FILE
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def read(cls, folder: Path) -> DecodeSpec:
+        path = folder / DECODE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: expected a validation samples folder (samples/step-NNNNNN)")
+        return cls(**json.loads(path.read_text()))
+
+
+def can_decode() -> bool:
+    """Whether this environment has the PyTorch VAE (the GPU image and local installs do; the TPU image not)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "diffusers"))
+
+
+def open_vae(spec: DecodeSpec) -> Any:
+    """The VAE ``spec`` names; a gs:// folder must be staged locally first (``checkpoint.gcs.stage_weights``)."""
+    if spec.vae is None:
+        return small_vae(spec.latent_channels, spec.seed)
+    return load_vae(spec.vae)
+
+
+def decode_folder(folder: Path, vae: Any, fps: int) -> list[str]:
+    """``sample-<id>.mp4`` for every ``sample-<id>.npy`` in ``folder``, and ``contact-sheet.png``; their names."""
+    latents = sorted(folder.glob("sample-*.npy"))
+    if not latents:
+        raise FileNotFoundError(f"{folder}: no sample-*.npy latents to decode")
+    videos, names = [], []
+    for path in latents:
+        frames = decode(vae, np.load(path))[0]
+        names.append(write_mp4(frames, path.with_suffix(".mp4"), fps).name)
+        videos.append(frames)
+    names.append(contact_sheet(videos, folder / "contact-sheet.png").name)
+    return names
 
 
 def small_vae(latent_channels: int, seed: int) -> Any:

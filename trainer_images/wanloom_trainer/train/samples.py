@@ -1,15 +1,18 @@
 """Validation videos (``spec.validation.videos``): the first held-out samples generated from their own text (and,
 for I2V, their first-frame condition) with the current weights at each validation.
 
-Every process runs the sampler (``Backend.predict`` is collective); process 0 decodes with the VAE and writes
-``sample-<id>.mp4`` per sample and ``contact-sheet.png`` to ``<samples dir>/step-NNNNNN/`` (``tracking.artifact_dir``:
-the run directory locally, beside a gs:// checkpoint root on a cluster, uploaded file by file). The starting noise
-depends only on (seed, sample id), so the videos of successive validations differ by the weights alone, and
-nothing here touches the training state or its random streams.
+Every process runs the sampler (``Backend.predict`` is collective); process 0 saves the latents and decodes them
+with the VAE into ``sample-<id>.mp4`` per sample and ``contact-sheet.png`` in ``<samples dir>/step-NNNNNN/``
+(``tracking.artifact_dir``: the run directory locally, beside a gs:// checkpoint root on a cluster, uploaded file by
+file). Where no PyTorch VAE can run, as in the TPU image, the latents wait for ``wanloom decode-samples``. The noise
+depends only on (seed, sample id), so the videos of successive validations differ by the weights alone, and nothing
+here touches the training state or its random streams.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,9 +23,11 @@ import numpy as np
 
 from wanloom_api.trainingjob import DEFAULT_SAMPLING
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.sampling.media import DecodeSpec, can_decode
 from wanloom_trainer.sampling.sampler import SamplerConfig, sample
 from wanloom_trainer.tracking import artifact_dir
 
+log = logging.getLogger(__name__)
 _NOISE_STREAM = 0x5A3E
 FPS = 16
 
@@ -55,7 +60,13 @@ class SampleWriter:
         self.sampler = sampler_config(config)
         # Both fail at the start of the run, not at the first validation: the unconditional prompt, and the VAE.
         self.empty_text = dataset.empty_prompt(needed_by="spec.validation.videos")
-        self._vae_uri = self._vae_source() if backend.process_index == 0 else None
+        self._decode_spec = DecodeSpec(self._vae_source(), config.model.wan.latent_channels, config.seed, FPS)
+        self.decodes = can_decode()
+        if not self.decodes and backend.process_index == 0:
+            log.warning(
+                "validation videos: no PyTorch VAE in this image; each validation saves the latents "
+                "(samples/step-NNNNNN/sample-<id>.npy): `wanloom decode-samples FOLDER` turns them into videos"
+            )
         self._vae: Any = None
 
     def run(self, state: Any, steps_done: int) -> Samples:
@@ -81,17 +92,19 @@ class SampleWriter:
         return self._write(latents, folder)
 
     def _write(self, latents: list[np.ndarray], folder: str) -> Samples:
+        """The latents (``sample-<id>.npy``) and ``decode.json`` always; the clips and contact sheet where the
+        VAE can run (``media.can_decode``)."""
         from wanloom_trainer.sampling import media
 
         local = Path(tempfile.mkdtemp(prefix="wanloom-samples-")) if folder.startswith("gs://") else Path(folder)
         local.mkdir(parents=True, exist_ok=True)
-        vae = self._load_vae()
-        videos = [media.decode(vae, z)[0] for z in latents]
-        names = [
-            media.write_mp4(v, local / f"sample-{sid:06d}.mp4", FPS).name
-            for sid, v in zip(self.ids, videos, strict=True)
-        ]
-        names.append(media.contact_sheet(videos, local / "contact-sheet.png").name)
+        names = []
+        for sid, z in zip(self.ids, latents, strict=True):
+            np.save(local / f"sample-{sid:06d}.npy", z)
+            names.append(f"sample-{sid:06d}.npy")
+        names.append(self._decode_spec.write(local).name)
+        if self.decodes:
+            names += media.decode_folder(local, self._load_vae(), FPS)
         if folder.startswith("gs://"):
             from wanloom_trainer.checkpoint.gcs import GcsLocation, upload_dir
 
@@ -102,15 +115,14 @@ class SampleWriter:
         if self._vae is None:
             from wanloom_trainer.sampling import media
 
-            if self._vae_uri is None:
-                self._vae = media.small_vae(self.config.model.wan.latent_channels, self.config.seed)
-            elif self._vae_uri.startswith("gs://"):
+            spec = self._decode_spec
+            if spec.vae is not None and spec.vae.startswith("gs://"):
                 from wanloom_trainer.checkpoint.gcs import stage_weights
 
-                root, _, sub = self._vae_uri.rstrip("/").rpartition("/")
-                self._vae = media.load_vae(stage_weights(root, Path(self.config.run_dir) / "weights", [sub]) / sub)
-            else:
-                self._vae = media.load_vae(self._vae_uri)
+                root, _, sub = spec.vae.rstrip("/").rpartition("/")
+                staged = stage_weights(root, Path(self.config.run_dir) / "weights", [sub]) / sub
+                spec = dataclasses.replace(spec, vae=str(staged))
+            self._vae = media.open_vae(spec)
         return self._vae
 
     def _vae_source(self) -> str | None:
