@@ -91,6 +91,9 @@ DEFAULT_SAMPLING: dict[str, tuple[int, float, tuple[float, float]]] = {
     "tiny-i2v": (8, 1.0, (3.0, 3.0)),
     "tiny-ti2v": (8, 1.0, (3.0, 3.0)),
 }
+# Variants conditioned on an image (the I2V layout): they cannot generate from a text prompt alone.
+IMAGE_CONDITIONED_VARIANTS: tuple[str, ...] = ("wan2.2-i2v-a14b", "tiny-i2v")
+PROMPTS_NEED_TEXT_TO_VIDEO = "validation.promptSize: an image-to-video variant cannot generate from a prompt alone"
 DType = Literal["float32", "bfloat16"]
 AdalnImpl = Literal["fused", "reference"]
 Remat = Literal["none", "full", "save-matmuls", "save-attention"]
@@ -474,6 +477,11 @@ class ValidationSpec(_Model):
         description="Classifier-free guidance for both experts. Default per variant: Wan 2.2's (T2V-A14B 4.0 "
         "high-noise / 3.0 low-noise, I2V-A14B 3.5, TI2V-5B 5.0; tiny 3.0).",
     )
+    prompt_size: BucketSpec | None = Field(
+        None,
+        description="Also generate one video per prompt of the dataset's prompts.npz (`wanloom data prepare "
+        "--prompts`) at this pixel size at each validation; unset: none. Text-to-video variants only.",
+    )
     vae: StorageURI | None = Field(
         None,
         description="Diffusers AutoencoderKLWan folder the videos are decoded with. Default: <model.weights>/vae; "
@@ -687,6 +695,12 @@ class TrainingJobSpec(_Model):
             ".export",
         ),
         ("!has(self.export) || !self.export.ema || has(self.optimizer.ema)", EXPORT_EMA_NEEDS_EMA, ".export.ema"),
+        (
+            f"!has(self.validation) || !has(self.validation.promptSize) || "
+            f"!(self.model.variant in {_cel_list(IMAGE_CONDITIONED_VARIANTS)})",
+            PROMPTS_NEED_TEXT_TO_VIDEO,
+            ".validation.promptSize",
+        ),
         (
             f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)}) "
             "|| !has(self.routing) || !has(self.routing.boundaryRatio)",

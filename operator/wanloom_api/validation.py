@@ -29,10 +29,12 @@ from wanloom_api.trainingjob import (
     GCS_URI_PATTERN,
     GLOBAL_BATCH_PER_RANK,
     GPU_NEEDS_TORCH,
+    IMAGE_CONDITIONED_VARIANTS,
     MOUNT_NEEDS_NAME_AND_PATH,
     MOUNT_OF_NO_VOLUME,
     MULTIPLE_OF_16,
     PARALLELISM_PRODUCT,
+    PROMPTS_NEED_TEXT_TO_VIDEO,
     RESERVED_MOUNT_PATH,
     RESERVED_VOLUME,
     SPLASH_NEEDS_TPU,
@@ -333,23 +335,23 @@ def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
             f"videos are generated from held-out samples: at most samples ({spec.validation.videos} > "
             f"{spec.validation.samples})",
         )
+    prompt_size = spec.validation.prompt_size if spec.validation is not None else None
+    if prompt_size is not None and spec.model.variant in IMAGE_CONDITIONED_VARIANTS:
+        yield FieldError("spec.validation.promptSize", PROMPTS_NEED_TEXT_TO_VIDEO)
+    buckets = [(f"spec.adaptiveLoad.buckets[{i}]", b) for i, b in enumerate(spec.adaptive_load.buckets or ())]
+    if prompt_size is not None:
+        buckets.append(("spec.validation.promptSize", prompt_size))
+    for path, bucket in buckets:
+        if (bucket.frames - 1) % 4:
+            yield FieldError(f"{path}.frames", f"{FRAMES_4K_PLUS_1} (got {bucket.frames})")
+        for name in ("height", "width"):
+            if getattr(bucket, name) % 16:
+                yield FieldError(f"{path}.{name}", f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})")
     if spec.optimizer.warmup_steps > spec.training.steps:
         yield FieldError(
             "spec.optimizer.warmupSteps",
             f"{WARMUP_WITHIN_STEPS} ({spec.optimizer.warmup_steps} > {spec.training.steps})",
         )
-    for i, bucket in enumerate(spec.adaptive_load.buckets or ()):
-        if (bucket.frames - 1) % 4:
-            yield FieldError(
-                f"spec.adaptiveLoad.buckets[{i}].frames",
-                f"{FRAMES_4K_PLUS_1} (got {bucket.frames})",
-            )
-        for name in ("height", "width"):
-            if getattr(bucket, name) % 16:
-                yield FieldError(
-                    f"spec.adaptiveLoad.buckets[{i}].{name}",
-                    f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})",
-                )
 
 
 _CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (

@@ -43,6 +43,9 @@ def prepare(
     dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16, float16 or float32.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="Torch device for the encoders.")] = "cpu",
     encoder_dtype: Annotated[str, typer.Option(help="Encoder dtype: float32 or bfloat16.")] = "float32",
+    prompts: Annotated[
+        Path | None, typer.Option(help="Text file of validation prompts (one per line) to encode with the dataset.")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Encode captioned media with the Wan VAE and umT5 into latent shards + index; re-run to resume."""
@@ -63,6 +66,7 @@ def prepare(
             dtype=dtype,
             device=device,
             encoder_dtype=encoder_dtype,
+            prompts=prompts,
         )
         result = run_prepare(config, progress=progress)
     except (ValueError, FileNotFoundError) as exc:

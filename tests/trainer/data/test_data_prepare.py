@@ -193,3 +193,20 @@ def test_i2v_condition_is_mask_plus_first_frame_latents(tiny_model_root: Path) -
     # The VAE is causal in time: latent frame 0 of "first frame + grey frames" is the first frame's own latent.
     alone = enc.encode_pixels(clips[:, :1])
     np.testing.assert_allclose(cond[:, 4:, :1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_validation_prompts_are_encoded_with_the_dataset(tmp_path: Path, media_set, tiny_model_root: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n\n  waves at dusk  \n")
+    spy = SpyEncoders(tiny_model_root)
+    output = tmp_path / "ds"
+    prepare(_config(media_set.folder, str(output), tiny_model_root, prompts=prompts), progress=False, encoders=spy)
+    want = spy.inner.encode_text(["a red fox in the snow", "waves at dusk"], get_variant("tiny").text_len)
+    with open_dataset(str(output), max_bad_samples=0) as ds:
+        texts, strings = ds.validation_prompts()
+    assert strings == ["a red fox in the snow", "waves at dusk"]
+    for got, encoded in zip(texts, want, strict=True):
+        np.testing.assert_array_equal(got[: len(encoded)], encoded)
+        assert not got[len(encoded) :].any()
+    with pytest.raises(FileNotFoundError, match=r"--prompts .*missing.txt: no such file"):
+        prepare(_config(media_set.folder, str(output), tiny_model_root, prompts=tmp_path / "missing.txt"))

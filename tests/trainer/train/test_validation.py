@@ -152,3 +152,35 @@ def test_spec_export_writes_the_final_model_when_the_run_completes(tiny: Any, tm
     doc["spec"]["export"] = {**export, "ema": True}
     errors = {e.path: e.message for e in validate_trainingjob(doc).errors}
     assert errors == {"spec.export.ema": "export.ema needs optimizer.ema: without it no EMA weights are kept"}
+
+
+@pytest.mark.slow
+def test_prompts_of_the_dataset_become_videos_too(tiny: Any, tmp_path: Path) -> None:
+    from wanloom_trainer.data import ensure_synthetic, open_dataset
+    from wanloom_trainer.data.storage import open_storage
+    from wanloom_trainer.data.writer import DatasetWriter
+
+    validation = {"everySteps": 2, "samples": 2, "videos": 0, "inferenceSteps": 2,
+                  "promptSize": {"frames": 5, "height": 32, "width": 48}}  # fmt: skip
+    job = tiny.tiny_job(tmp_path, validation=validation, optimizer={"warmupSteps": 1}, training={"steps": 2})
+    config = tiny.tiny_config(tmp_path)
+    ensure_synthetic(config.data, config.model.wan)
+    with open_dataset(config.data.uri, max_bad_samples=0) as dataset:
+        header = dataset.index.header
+    rng = np.random.default_rng(0)
+    texts = [rng.standard_normal((n, header.text_dim)).astype(np.float32) for n in (3, 5)]
+    DatasetWriter(open_storage(config.data.uri), header, 1).write_prompts(["a fox", "the sea"], texts)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
+    }
+    proc = _run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folder = tmp_path / "run" / "samples" / "step-000002"
+    assert (folder / "prompts.txt").read_text() == "prompt-000: a fox\nprompt-001: the sea\n"
+    for i in range(2):
+        assert np.load(folder / f"prompt-{i:03d}.npy").shape == (1, 4, 2, 4, 6)  # 5x32x48 pixels as latents
+        with av.open(str(folder / f"prompt-{i:03d}.mp4")) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == 5 and frames[0].shape == (32, 48, 3)

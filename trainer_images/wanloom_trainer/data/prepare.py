@@ -44,6 +44,7 @@ class PrepareConfig:
         batch_size: sources per VAE/text-encoder call.
         samples_per_shard: sources per shard (the resume unit).
         dtype: storage dtype of the tensors.
+        prompts: optional text file, one validation prompt per line, encoded into ``prompts.npz``.
     """
 
     inputs: Path
@@ -55,6 +56,7 @@ class PrepareConfig:
     batch_size: int = 4
     samples_per_shard: int = 256
     dtype: str = "bfloat16"
+    prompts: Path | None = field(default=None, compare=False)
     device: str = field(default="cpu", compare=False)
     encoder_dtype: str = field(default="float32", compare=False)
 
@@ -142,7 +144,21 @@ def prepare(config: PrepareConfig, *, progress: bool = True, encoders: Any = Non
     if not writer.has_empty_prompt():  # encoded as the Wan pipelines encode "" (caption dropout trains on it)
         encoders = encoders or _load_encoders(config, variant)
         writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
+    if config.prompts is not None:
+        prompts = read_prompts(config.prompts)
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_prompts(prompts, encoders.encode_text(prompts, variant.text_len))
     return PrepareResult(writer.finalize(), writer.skipped())
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The non-empty lines of a prompts file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts {path}: no such file")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it (one per line)")
+    return prompts
 
 
 def _load_encoders(config: PrepareConfig, variant: WanVariant) -> Any:

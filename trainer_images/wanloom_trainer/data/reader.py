@@ -31,7 +31,7 @@ import numpy as np
 from wanloom_trainer.data import skips
 from wanloom_trainer.data.fit import fit_latents
 from wanloom_trainer.data.format import MEMBERS, TENSOR_MEMBERS, CorruptSample, decode_tensor
-from wanloom_trainer.data.index import EMPTY_PROMPT_NAME, INDEX_NAME, ShapeIndex
+from wanloom_trainer.data.index import EMPTY_PROMPT_NAME, INDEX_NAME, PROMPTS_NAME, ShapeIndex
 from wanloom_trainer.data.outage import OutageHook, StorageBreaker
 from wanloom_trainer.data.shards import payload_crc
 from wanloom_trainer.data.storage import MissingObject, RetryPolicy, Storage, open_storage, split_uri
@@ -154,6 +154,20 @@ class LatentDataset:
         padded = np.zeros((self.text_len, self.text_dim), np.float32)
         padded[: text.shape[0]] = text
         return padded
+
+    def validation_prompts(self) -> tuple[np.ndarray, list[str]]:
+        """(float32 [N, text_len, text_dim] embeddings, the N prompts) that ``wanloom data prepare --prompts``
+        stored with the dataset."""
+        if not self.storage.exists(PROMPTS_NAME):
+            raise ValueError(
+                f"spec.validation.promptSize: the dataset at {self.storage.uri} has no {PROMPTS_NAME}; encode a "
+                "prompts file with `wanloom data prepare ... --prompts FILE`, or unset promptSize"
+            )
+        with np.load(io.BytesIO(self.storage.read(PROMPTS_NAME)), allow_pickle=False) as doc:
+            text, prompts = doc["text"], [str(p) for p in doc["prompts"]]
+        if text.shape[1:] != (self.text_len, self.text_dim):
+            raise ValueError(f"{self.storage.join(PROMPTS_NAME)}: embeddings {text.shape[1:]} do not fit the dataset")
+        return text.astype(np.float32), prompts
 
     # --- loading ---------------------------------------------------------------------------------------------
     def load(self, sample_ids: Any, latent_shape: tuple[int, int, int] | None = None) -> LatentBatch:

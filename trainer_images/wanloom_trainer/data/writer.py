@@ -22,6 +22,7 @@ from wanloom_trainer.data.format import MEMBERS, EncodedSample, encode_sample
 from wanloom_trainer.data.index import (
     EMPTY_PROMPT_NAME,
     INDEX_NAME,
+    PROMPTS_NAME,
     DatasetHeader,
     ShapeIndex,
     shard_manifest_name,
@@ -61,6 +62,16 @@ class DatasetWriter:
         buffer = io.BytesIO()
         np.save(buffer, text, allow_pickle=False)
         self.storage.write(EMPTY_PROMPT_NAME, buffer.getvalue())
+
+    def write_prompts(self, prompts: list[str], texts: list[np.ndarray]) -> None:
+        """Store validation prompts and their embeddings (each float32 [L_i, D_text]) with the dataset."""
+        h = self.header
+        padded = np.zeros((len(texts), h.text_len, h.text_dim), np.float32)
+        for i, text in enumerate(texts):
+            padded[i, : len(text)] = text
+        buffer = io.BytesIO()
+        np.savez(buffer, text=padded, lengths=np.asarray([len(t) for t in texts]), prompts=np.asarray(prompts))
+        self.storage.write(PROMPTS_NAME, buffer.getvalue())
 
     def start(self) -> list[int]:
         """Record the build settings (or check them against an earlier, interrupted build); return shards to do."""

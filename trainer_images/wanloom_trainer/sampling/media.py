@@ -60,10 +60,11 @@ def open_vae(spec: DecodeSpec) -> Any:
 
 
 def decode_folder(folder: Path, vae: Any, fps: int) -> list[str]:
-    """``sample-<id>.mp4`` for every ``sample-<id>.npy`` in ``folder``, and ``contact-sheet.png``; their names."""
-    latents = sorted(folder.glob("sample-*.npy"))
+    """An mp4 for every ``sample-<id>.npy`` and ``prompt-<i>.npy`` in ``folder``, and ``contact-sheet.png`` (held-out
+    samples first, then prompts); their names."""
+    latents = sorted(folder.glob("sample-*.npy")) + sorted(folder.glob("prompt-*.npy"))
     if not latents:
-        raise FileNotFoundError(f"{folder}: no sample-*.npy latents to decode")
+        raise FileNotFoundError(f"{folder}: no sample-*.npy or prompt-*.npy latents to decode")
     videos, names = [], []
     for path in latents:
         frames = decode(vae, np.load(path))[0]

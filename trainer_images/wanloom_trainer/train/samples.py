@@ -52,7 +52,8 @@ def sampler_config(config: TrainConfig) -> SamplerConfig:
 
 
 class SampleWriter:
-    """Generates the first ``videos`` held-out samples; ``vae`` is loaded on process 0 at the first call."""
+    """Generates the first ``videos`` held-out samples and, with ``promptSize``, the dataset's validation prompts;
+    the VAE is loaded on process 0 at the first call."""
 
     def __init__(self, config: TrainConfig, backend: Any, dataset: Any, sample_ids: np.ndarray) -> None:
         self.config, self.backend, self.dataset = config, backend, dataset
@@ -61,6 +62,9 @@ class SampleWriter:
         # Both fail at the start of the run, not at the first validation: the unconditional prompt, and the VAE.
         self.empty_text = dataset.empty_prompt(needed_by="spec.validation.videos")
         self._decode_spec = DecodeSpec(self._vae_source(), config.model.wan.latent_channels, config.seed, FPS)
+        size = config.validation.prompt_size
+        self.prompt_texts, self.prompts = dataset.validation_prompts() if size is not None else (np.zeros(0), [])
+        self.prompt_shape = config.model.wan.latent_shape(*size.pixels) if size is not None else ()
         self.decodes = can_decode()
         if not self.decodes and backend.process_index == 0:
             log.warning(
@@ -70,38 +74,45 @@ class SampleWriter:
         self._vae: Any = None
 
     def run(self, state: Any, steps_done: int) -> Samples:
-        latents = []
+        """Generate every held-out sample and prompt; process 0 writes them."""
+        latents: dict[str, np.ndarray] = {}
         for sid in self.ids:
             batch = self.dataset.load([sid])
-            noise = np.random.default_rng([self.config.seed, sid, _NOISE_STREAM]).standard_normal(
-                batch.latents.shape, dtype=np.float32
-            )
-            latents.append(
-                sample(
-                    lambda e, x, t, c: self.backend.predict(state, e, x, t, c),
-                    noise,
-                    batch.text_embeds,
-                    self.empty_text,
-                    self.sampler,
-                    batch.condition,
-                )
-            )
+            noise = self._noise(sid, batch.latents.shape)
+            latents[f"sample-{sid:06d}"] = self._generate(state, noise, batch.text_embeds, batch.condition)
+        for i, text in enumerate(self.prompt_texts):
+            noise = self._noise(-1 - i, (1, self.config.model.wan.latent_channels, *self.prompt_shape))
+            latents[f"prompt-{i:03d}"] = self._generate(state, noise, text[None], None)
         folder = f"{artifact_dir(self.config, 'samples')}/step-{steps_done:06d}"
         if self.backend.process_index != 0:
             return Samples(folder, (), None)
         return self._write(latents, folder)
 
-    def _write(self, latents: list[np.ndarray], folder: str) -> Samples:
-        """The latents (``sample-<id>.npy``) and ``decode.json`` always; the clips and contact sheet where the
-        VAE can run (``media.can_decode``)."""
+    def _noise(self, key: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The starting noise of one video: a function of (seed, key) only (prompts take negative keys)."""
+        stream = [self.config.seed, key if key >= 0 else 2**32 - key, _NOISE_STREAM]
+        return np.random.default_rng(stream).standard_normal(shape, dtype=np.float32)
+
+    def _generate(self, state: Any, noise: np.ndarray, text: np.ndarray, condition: np.ndarray | None) -> np.ndarray:
+        predict = self.backend.predict
+        return sample(
+            lambda e, x, t, c: predict(state, e, x, t, c), noise, text, self.empty_text, self.sampler, condition
+        )
+
+    def _write(self, latents: dict[str, np.ndarray], folder: str) -> Samples:
+        """The latents (``sample-<id>.npy``, ``prompt-<i>.npy``) and ``decode.json`` always; the clips and the
+        contact sheet where the VAE can run (``media.can_decode``)."""
         from wanloom_trainer.sampling import media
 
         local = Path(tempfile.mkdtemp(prefix="wanloom-samples-")) if folder.startswith("gs://") else Path(folder)
         local.mkdir(parents=True, exist_ok=True)
         names = []
-        for sid, z in zip(self.ids, latents, strict=True):
-            np.save(local / f"sample-{sid:06d}.npy", z)
-            names.append(f"sample-{sid:06d}.npy")
+        for stem, z in latents.items():
+            np.save(local / f"{stem}.npy", z)
+            names.append(f"{stem}.npy")
+        if self.prompts:
+            (local / "prompts.txt").write_text("".join(f"prompt-{i:03d}: {p}\n" for i, p in enumerate(self.prompts)))
+            names.append("prompts.txt")
         names.append(self._decode_spec.write(local).name)
         if self.decodes:
             names += media.decode_folder(local, self._load_vae(), FPS)

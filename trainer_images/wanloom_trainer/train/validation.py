@@ -69,7 +69,8 @@ class Validator:
             for e, t in band_timesteps(config.routing.boundary_ratio, self.spec.timesteps_per_expert)
         ]
         self._batches: dict[int, Any] = {}  # held-out samples, loaded once
-        self.videos = SampleWriter(config, backend, dataset, self.ids) if self.spec.videos else None
+        generates = self.spec.videos or self.spec.prompt_size is not None
+        self.videos = SampleWriter(config, backend, dataset, self.ids) if generates else None
 
     def due(self, steps_done: int) -> bool:
         return steps_done % self.spec.every_steps == 0 or steps_done == self.config.steps
