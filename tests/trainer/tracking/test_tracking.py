@@ -91,6 +91,9 @@ def test_tensorboard_has_every_step_of_the_step_log(tracked_run: Path) -> None:
 
     logged = Image.open(io.BytesIO(images["samples/contact-sheet"][STEPS - 1]))
     assert logged.size == Image.open(sheet).size
+    (clip,) = sheet.parent.glob("sample-*.mp4")
+    gif = Image.open(io.BytesIO(images[f"samples/{clip.stem}"][STEPS - 1]))
+    assert gif.format == "GIF" and gif.n_frames >= 1
 
 
 def read_wandb_history(path: Path) -> dict[int, dict[str, float]]:
