@@ -287,3 +287,24 @@ def test_bfloat16_bits_match_torch_rounding() -> None:
     finite = ~np.isnan(x)
     np.testing.assert_array_equal(got[finite], want[finite])
     assert np.isnan(torch.from_numpy(got[~finite].view(np.int16)).view(torch.bfloat16).float().numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v-a14b", "wan2.2-ti2v-5b"])
+def test_official_shapes_shard_like_the_diffusers_repositories(name: str) -> None:
+    """The A14B/5B path without their weights: the key set and shapes are diffusers' own model's at the variant's
+    config, and the shard plan keeps every file under the limit (a tensor above it alone in its shard)."""
+    from wanloom_trainer.export.layouts import DEFAULT_MAX_SHARD_BYTES, diffusers_config, shard_entries
+    from wanloom_trainer.export.safetensors_out import TensorEntry
+
+    variant = get_variant(name)
+    config = {k: v for k, v in diffusers_config(variant).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**config)
+    entries = [TensorEntry(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    shards = shard_entries(entries, "bfloat16", DEFAULT_MAX_SHARD_BYTES)
+    sizes = [sum(e.nbytes("bfloat16") for e in shard) for shard in shards]
+    assert all(size <= DEFAULT_MAX_SHARD_BYTES or len(shard) == 1 for size, shard in zip(sizes, shards, strict=True))
+    assert sum(sizes) == 2 * sum(v.numel() for v in model.state_dict().values())
+    assert [e.key for shard in shards for e in shard] == list(model.state_dict())
+    params = sum(v.numel() for v in model.state_dict().values()) / 1e9
+    assert params == pytest.approx({"wan2.2-t2v-a14b": 14.3, "wan2.2-ti2v-5b": 5.0}[name], rel=0.03)
