@@ -61,7 +61,13 @@ def test_the_planner_never_plans_a_held_out_sample(tiny: Any, tmp_path: Path) ->
     assert len(planned) == dataset.num_samples - len(held)  # everything else is trained on
 
 
-def _run(job: Path, workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(job: Path, workdir: Path) -> subprocess.CompletedProcess:
+    """`wanloom run` of ``job`` in a fresh process, on the CPU, with its run directory in ``workdir/run``."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
+    }
     args = ["run", str(job), "--no-progress", "--metrics-port", "0", "--run-dir", str(workdir / "run")]
     return subprocess.run(
         [sys.executable, "-c", "from wanloom_cli import main; main()", *args],
@@ -83,12 +89,7 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
         "training": {"steps": 4, "checkpoint": {"interval": 2, "keep": 3}},
     }
     job = tiny.write_job(tmp_path / "job.yaml", tiny.tiny_job(tmp_path, **spec))
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
-    }
-    first = _run(job, tmp_path, env)
+    first = _run(job, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     assert "validation loss after step 4: high_noise " in first.stdout
     whole_steps = _lines(tmp_path / "run" / "steps.jsonl")
@@ -115,7 +116,7 @@ def test_wanloom_run_validates_on_schedule_and_a_resume_reproduces_it(backend: s
 
     last = "4" if backend == "jax" else "step_00000004"
     shutil.rmtree(tmp_path / "checkpoints" / last)  # as if killed before the last checkpoint
-    again = _run(job, tmp_path, env)
+    again = _run(job, tmp_path)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resuming from the checkpoint of step 2" in again.stderr
     resumed = _lines(tmp_path / "run" / "validation.jsonl")
@@ -136,12 +137,7 @@ def test_spec_export_writes_the_final_model_when_the_run_completes(tiny: Any, tm
     export = {"uri": str(tmp_path / "model"), "format": "wan", "dtype": "float32"}
     spec = {"export": export, "optimizer": {"warmupSteps": 1}, "training": {"steps": 2}}
     job = tiny.write_job(tmp_path / "job.yaml", tiny.tiny_job(tmp_path, **spec))
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
-    }
-    proc = _run(job, tmp_path, env)
+    proc = _run(job, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"model exported to {tmp_path / 'model'} (spec.export)" in proc.stdout
     files = sorted(p.name for p in (tmp_path / "model").iterdir())
@@ -170,12 +166,7 @@ def test_prompts_of_the_dataset_become_videos_too(tiny: Any, tmp_path: Path) -> 
     rng = np.random.default_rng(0)
     texts = [rng.standard_normal((n, header.text_dim)).astype(np.float32) for n in (3, 5)]
     DatasetWriter(open_storage(config.data.uri), header, 1).write_prompts(["a fox", "the sea"], texts)
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
-    }
-    proc = _run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
+    proc = _run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     folder = tmp_path / "run" / "samples" / "step-000002"
     assert (folder / "prompts.txt").read_text() == "prompt-000: a fox\nprompt-001: the sea\n"
