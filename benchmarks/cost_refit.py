@@ -10,7 +10,7 @@ numbers that matter for a cluster come from running this on its devices.
 
 Usage (writes benchmarks/results/cost_refit.json):
 
-    PYTHONPATH=operator:trainer_images:tests/trainer/train/scripts .venv/bin/python benchmarks/cost_refit.py
+    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/cost_refit.py
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ median step, and the crossover run length (steps) beyond which the defaults win
 
 Usage (``--json`` prints one object; writes benchmarks/results/step_overhead.json):
 
-    PYTHONPATH=operator:trainer_images:tests/trainer/train/scripts .venv/bin/python benchmarks/step_overhead.py
+    PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/step_overhead.py
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""docs/metrics.md stays in step with the metrics contract and the MFU peak table.
+"""docs/metrics.md stays in step with the metrics contract, the MFU peak table and the dashboard.
 
 The tables between ``<!-- generated:NAME -->`` and ``<!-- end generated -->`` are produced here from
-``wanloom_api.metrics`` and ``wanloom_trainer.flops``. After changing either, regenerate them with
+``wanloom_api.metrics``, ``wanloom_trainer.flops`` and ``helm/wanloom/dashboards/wanloom.json``. After changing
+any of them, regenerate them with
 
     PYTHONPATH=operator:trainer_images .venv/bin/python tests/test_metrics_doc.py
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -16,7 +18,9 @@ from pathlib import Path
 from wanloom_api.metrics import OPERATOR_METRICS, TRAINER_METRICS, MetricDef
 from wanloom_trainer.flops import ACCELERATORS
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "metrics.md"
+DASHBOARD = ROOT / "helm" / "wanloom" / "dashboards" / "wanloom.json"
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 _UNITS = (
@@ -46,16 +50,32 @@ def metric_table(specs: tuple[MetricDef, ...]) -> str:
 
 
 def peak_table() -> str:
-    rows = ["| accelerator key | dense bf16 peak per device | device |", "|---|---|---|"]
+    rows = ["| accelerator key | peak per device | device |", "|---|---|---|"]
     for acc in ACCELERATORS.values():
-        rows.append(f"| `{acc.name}` | {acc.peak_bf16_flops / 1e12:,.1f} TFLOP/s | {acc.note} |")
+        peak = acc.peak_bf16_flops
+        rate = f"{peak / 1e12:,.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:,.0f} GFLOP/s"
+        rows.append(f"| `{acc.name}` | {rate} | {acc.note} |")
     return "\n".join(rows) + "\n"
+
+
+def dashboard_table() -> str:
+    """The dashboard's rows and their panels, in order."""
+    rows: list[tuple[str, list[str]]] = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            rows.append((panel["title"], []))
+        else:
+            rows[-1][1].append(panel["title"])
+    lines = ["| row | panels |", "|---|---|"]
+    lines += [f"| {title} | {', '.join(panels)} |" for title, panels in rows]
+    return "\n".join(lines) + "\n"
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "trainer-metrics": lambda: metric_table(TRAINER_METRICS),
     "operator-metrics": lambda: metric_table(OPERATOR_METRICS),
     "mfu-peaks": peak_table,
+    "dashboard-panels": dashboard_table,
 }
 
 

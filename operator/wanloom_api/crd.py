@@ -144,6 +144,7 @@ def _spec_schema() -> dict[str, Any]:
         ("validation",),
         ("export",),
         ("tracking", "wandb"),
+        ("resources", "podRequests"),
     )
     for path in optional:
         node = spec

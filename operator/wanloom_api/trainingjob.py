@@ -130,6 +130,15 @@ PARALLELISM_PRODUCT = (
 GLOBAL_BATCH_PER_RANK = "globalBatch must give every data-parallel rank (data x fsdp) at least one sample"
 MAX_DEGREE = 1 << 20  # bounds the CEL product below int64
 MAX_VOLUMES = 32  # bounds the CEL rules' cost (the duplicate check is quadratic)
+MAX_POD_METADATA = 64  # labels or annotations a TrainingJob adds to its pods (bounds the CEL rules' cost)
+# Label and annotation keys of trainer pods that wanloom, JobSet, Kubernetes and GKE set: a TrainingJob (or the
+# chart's trainerPods) may not set them.
+RESERVED_POD_KEY_PREFIXES = (
+    "wanloom.dev/", "jobset.sigs.k8s.io/", "batch.kubernetes.io/", "kueue.x-k8s.io/", "networking.gke.io/",
+    "app.kubernetes.io/",
+)  # fmt: skip
+RESERVED_POD_KEY = f"keys under {', '.join(RESERVED_POD_KEY_PREFIXES)} are set by wanloom, JobSet, Kueue or GKE"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 VOLUME_NEEDS_NAME = "every volume needs a name"
 RESERVED_VOLUME = f"the operator's volumes are reserved ({', '.join(keys.OPERATOR_VOLUMES)})"
 DUPLICATE_VOLUME = "volume names must be unique"
@@ -294,6 +303,11 @@ class DataSpec(_Model):
 FRAMES_4K_PLUS_1 = "frames must be 4k+1 (1, 5, ..., 81) to match the VAE's temporal stride"
 MULTIPLE_OF_16 = "must be a multiple of 16 (VAE stride 8 x patch 2)"
 WARMUP_WITHIN_STEPS = "optimizer.warmupSteps must not exceed training.steps"
+BATCH_WITHIN_EPOCH = (
+    "training.globalBatch must not exceed the synthetic dataset's samples less the validation hold-out (a step "
+    "holds at most one epoch)"
+)
+MAX_GLOBAL_BATCH = 1 << 20
 EXPORT_NEEDS_CHECKPOINTS = "export needs training.checkpoint.uri: the final checkpoint is what it exports"
 EXPORT_EMA_NEEDS_EMA = "export.ema needs optimizer.ema: without it no EMA weights are kept"
 SPLASH_NEEDS_TPU = "splash attention needs tpu resources"
@@ -521,8 +535,17 @@ class TrackingSpec(_Model):
 
 
 class TrainingSpec(_Model):
-    steps: int = Field(ge=1, description="Total optimizer steps.")
-    global_batch: int = Field(ge=1, description="Samples per global step, over all ranks.")
+    steps: int = Field(
+        ge=1,
+        description="Total optimizer steps. Changed on resume (or by wanloom run --steps), the learning rate stays "
+        "continuous: it goes on from the rate reached and its decay is re-laid over the steps that remain.",
+    )
+    global_batch: int = Field(
+        ge=1,
+        le=MAX_GLOBAL_BATCH,
+        description="Samples per global step, over all ranks; at most one epoch of the dataset (the trainer refuses "
+        "more before planning).",
+    )
     seed: int = Field(0, ge=0, description="Seed of parameters, data order, timesteps and noise.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Where and how often to save.")
     log_every: int = Field(1, ge=1, description="Steps between metric updates.")
@@ -601,8 +624,22 @@ Volume = _kube_object_with(name=(63, "Volume name (core/v1 Volume; the rest pass
 VolumeMount = _kube_object_with(name=(63, "The volume mounted."), mountPath=(1024, "Where, in the trainer container."))
 
 
+class PodRequests(_Model):
+    cpu: str | None = Field(None, pattern=QUANTITY_PATTERN, max_length=32, description="CPU request, e.g. 200 or 500m.")
+    memory: str | None = Field(
+        None, pattern=QUANTITY_PATTERN, max_length=32, description="Memory request, e.g. 1800G or 64Gi."
+    )
+
+
+def _no_reserved_keys_cel(field: str) -> str:
+    prefixes = " || ".join(f"k.startsWith('{p}')" for p in RESERVED_POD_KEY_PREFIXES)
+    return f"!has(self.{field}) || self.{field}.all(k, !({prefixes}))"
+
+
 class ResourcesSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        (_no_reserved_keys_cel("podLabels"), RESERVED_POD_KEY, ".podLabels"),
+        (_no_reserved_keys_cel("podAnnotations"), RESERVED_POD_KEY, ".podAnnotations"),
         (
             "[has(self.tpu), has(self.gpu), has(self.cpu)].filter(x, x).size() == 1",
             "exactly one of tpu, gpu or cpu must be set",
@@ -665,6 +702,36 @@ class ResourcesSpec(_Model):
     priority_class_name: str | None = Field(None, description="Pod priority class.")
     service_account_name: str | None = Field(None, description="Pod service account.")
     host_network: bool | None = Field(None, description="Pod host networking; defaults to true on TPU.")
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Secrets (in the job's namespace) to pull the trainer image, after the chart's trainerPods ones.",
+    )
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_POD_METADATA,
+        description="Labels added to every trainer pod (over the chart's trainerPods.labels).",
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_POD_METADATA,
+        description="Annotations added to every trainer pod (over the chart's trainerPods.annotations).",
+    )
+    pod_requests: PodRequests | None = Field(
+        None,
+        description="CPU and memory requests of a trainer pod, instead of the share of the machine the operator "
+        "derives from the accelerators it uses (GPU type other: none); /dev/shm is a quarter of the memory.",
+    )
+
+    @field_validator("pod_labels")
+    @classmethod
+    def _pod_label_rules(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_labels(no_reserved_pod_keys(labels))
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _pod_annotation_rules(cls, annotations: dict[str, str]) -> dict[str, str]:
+        return no_reserved_pod_keys(annotations)
 
     @property
     def accelerator(self) -> Literal["tpu", "gpu", "cpu"]:
@@ -689,6 +756,12 @@ class TrainingJobSpec(_Model):
         ),
         (f"self.kernels.attention != 'xla' || {_BACKEND_CEL} == 'jax'", XLA_ATTENTION, ".kernels.attention"),
         (_parallelism_cel()[1], GLOBAL_BATCH_PER_RANK, ".training.globalBatch"),
+        (
+            "!has(self.data.synthetic) || self.training.globalBatch <= self.data.synthetic.samples - "
+            "(has(self.validation) ? self.validation.samples : 0)",
+            BATCH_WITHIN_EPOCH,
+            ".training.globalBatch",
+        ),
         (
             "!has(self.export) || has(self.training.checkpoint.uri)",
             EXPORT_NEEDS_CHECKPOINTS,
@@ -834,6 +907,26 @@ _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
 
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    """Kubernetes label syntax: ``[prefix/]name`` keys and short values (raises ValueError naming the key)."""
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if len(name) > 63 or not _LABEL_NAME.match(name) or len(prefix) > 253:
+            raise ValueError(f"label key {key!r}: [prefix/]name, name <= 63 alphanumerics, '-', '_', '.'")
+        if prefix and not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", prefix):
+            raise ValueError(f"label key {key!r}: its prefix must be a DNS-1123 subdomain")
+        if value and (len(value) > 63 or not _LABEL_NAME.match(value)):
+            raise ValueError(f"label {key!r} value {value!r}: <= 63 alphanumerics, '-', '_', '.', or empty")
+    return labels
+
+
+def no_reserved_pod_keys(values: dict[str, str]) -> dict[str, str]:
+    reserved = sorted(k for k in values if k.startswith(RESERVED_POD_KEY_PREFIXES))
+    if reserved:
+        raise ValueError(f"{', '.join(map(repr, reserved))}: {RESERVED_POD_KEY}")
+    return values
+
+
 class ObjectMeta(_Model):
     """The parts of metadata the API reads, with its name rules; everything else passes through untouched."""
 
@@ -850,15 +943,7 @@ class ObjectMeta(_Model):
     @field_validator("labels")
     @classmethod
     def _label_rules(cls, labels: dict[str, str]) -> dict[str, str]:
-        for key, value in labels.items():
-            prefix, _, name = key.rpartition("/")
-            if len(name) > 63 or not _LABEL_NAME.match(name) or len(prefix) > 253:
-                raise ValueError(f"label key {key!r}: [prefix/]name, name <= 63 alphanumerics, '-', '_', '.'")
-            if prefix and not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", prefix):
-                raise ValueError(f"label key {key!r}: its prefix must be a DNS-1123 subdomain")
-            if value and (len(value) > 63 or not _LABEL_NAME.match(value)):
-                raise ValueError(f"label {key!r} value {value!r}: <= 63 alphanumerics, '-', '_', '.', or empty")
-        return labels
+        return check_labels(labels)
 
 
 class TrainingJob(_Model):
@@ -872,6 +957,8 @@ class TrainingJob(_Model):
 PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Steps", "type": "integer", "jsonPath": ".spec.training.steps"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "Step time", "type": "number", "jsonPath": ".status.progress.stepTimeSeconds"},
     {"name": "Load CV", "type": "number", "jsonPath": ".status.progress.loadImbalanceCV"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from wanloom_api import keys
 from wanloom_api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_api.trainingjob import (
+    BATCH_WITHIN_EPOCH,
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
@@ -94,6 +95,21 @@ def parse_trainingjob(doc: Any, source: str = "TrainingJob") -> TrainingJob:
     if result.job is None:
         raise InvalidTrainingJob(result.errors, source)
     return result.job
+
+
+def with_spec(job: TrainingJob, source: str = "TrainingJob", **changes: Any) -> TrainingJob:
+    """``job`` with ``changes`` (camelCase spec fields, nested mappings merged key by key) validated again."""
+
+    def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in update.items():
+            both = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = merge(out[key], value) if both else value
+        return out
+
+    doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"] = merge(doc["spec"], changes)
+    return parse_trainingjob(doc, source)
 
 
 def load_trainingjob_file(path: str | Path) -> TrainingJob:
@@ -347,6 +363,14 @@ def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
         for name in ("height", "width"):
             if getattr(bucket, name) % 16:
                 yield FieldError(f"{path}.{name}", f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})")
+    if spec.data.synthetic is not None:
+        held_out = spec.validation.samples if spec.validation is not None else 0
+        trained = spec.data.synthetic.samples - held_out
+        if spec.training.global_batch > trained:
+            yield FieldError(
+                "spec.training.globalBatch",
+                f"{BATCH_WITHIN_EPOCH} ({spec.training.global_batch:,} > {trained:,})",
+            )
     if spec.optimizer.warmup_steps > spec.training.steps:
         yield FieldError(
             "spec.optimizer.warmupSteps",

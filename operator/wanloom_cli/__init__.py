@@ -26,6 +26,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: one line per option, "--debug / --no-debug" without a "<bool>" value to type.
+    rich_markup_mode=None,
 )
 api_commands.register(app)
 operator_commands.register(app)

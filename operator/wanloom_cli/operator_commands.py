@@ -39,6 +39,20 @@ def dump_objects(objects: list[dict[str, Any]], output: str) -> str:
     return _HEADER + yaml.dump_all(objects, Dumper=_LiteralDumper, sort_keys=False, width=120)
 
 
+def _in_namespace(metadata: Any, namespace: str) -> Any:
+    """The metadata in ``namespace``, checked by the same rule as ``metadata.namespace``."""
+    from pydantic import ValidationError
+
+    try:
+        return type(metadata).model_validate({**metadata.model_dump(by_alias=True), "namespace": namespace})
+    except ValidationError:
+        raise typer.BadParameter(
+            f"{namespace!r} is not a namespace name: a DNS-1123 label (lowercase letters, digits and '-', starting "
+            "and ending alphanumeric, at most 63 characters)",
+            param_hint="--namespace",
+        ) from None
+
+
 def render(
     file: Annotated[Path, typer.Argument(help="A TrainingJob YAML file.")],
     namespace: Annotated[str | None, typer.Option(help="Namespace (default: metadata.namespace or 'default').")] = None,
@@ -54,7 +68,7 @@ def render(
     try:
         job = load_trainingjob_file(file)
         if namespace:
-            job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": namespace})})
+            job = job.model_copy(update={"metadata": _in_namespace(job.metadata, namespace)})
         rendered = render_trainingjob(job, OperatorSettings.from_env(), owner_uid=uid)
     except (InvalidTrainingJob, ValueError) as exc:
         typer.echo(str(exc), err=True)

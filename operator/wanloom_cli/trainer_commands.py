@@ -14,11 +14,9 @@ import typer
 
 from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
 
-STOPPED_EXIT_CODE = 143
-_EXPERTS = {
-    0: "high_noise",
-    1: "low_noise",
-}  # routing's expert ids, as the metrics name them  # 128 + SIGTERM: the run checkpointed and stopped early
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: the run checkpointed and stopped early
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
+_EXPERTS = {0: "high_noise", 1: "low_noise"}  # routing's expert ids, as the metrics name them
 
 
 def run(
@@ -43,6 +41,7 @@ def run(
         job = launch.with_overrides(
             load_trainingjob_file(file), steps=steps, processes=processes if processes != 1 else None
         )
+        launch.require_local_devices(job)
     except (InvalidTrainingJob, ValueError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
@@ -50,7 +49,11 @@ def run(
     port = job.spec.metrics_port if metrics_port is None else metrics_port
     if processes > 1:
         typer.echo(f"starting {processes} processes (logs of 1..{processes - 1} in {where}/logs)")
-        raise typer.Exit(launch.run_processes(job, processes, run_dir=where, metrics_port=port))
+        started = time.monotonic()
+        code = launch.run_processes(job, processes, run_dir=where, metrics_port=port)
+        if code in (0, STOPPED_EXIT_CODE):
+            _summary(launch.read_result(where), where, job.spec.training.checkpoint.uri, time.monotonic() - started)
+        raise typer.Exit(code)
     if port:
         typer.echo(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
     _log_to_terminal()
@@ -62,11 +65,15 @@ def run(
             raise
         typer.echo(f"wanloom run: {_explain(exc)} (--debug shows the traceback)", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # a second Ctrl-C
+        typer.echo("wanloom run: interrupted at once, without a new checkpoint; the same command resumes from the "
+                   "last committed one", err=True)  # fmt: skip
+        raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
     _summary(result, where, job.spec.training.checkpoint.uri, time.monotonic() - started)
     if getattr(result, "stopped_by", None):
-        # 128 + SIGTERM, as if the signal had ended the process: a pod stopped this way is not "Succeeded".
+        # 128 + the signal, as if it had ended the process: a pod stopped this way is not "Succeeded".
         typer.echo(f"stopped by {result.stopped_by} at step {result.next_step}; run the same command to resume")
-        raise typer.Exit(STOPPED_EXIT_CODE)
+        raise typer.Exit(INTERRUPTED_EXIT_CODE if result.stopped_by == "SIGINT" else STOPPED_EXIT_CODE)
 
 
 def _explain(exc: BaseException) -> str:
@@ -106,24 +113,17 @@ def _log_to_terminal() -> None:
 
 
 def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: float) -> None:
+    from wanloom_trainer.train.summary import StepSummary
+
     records = getattr(result, "records", [])
     if not records:
         typer.echo(
             f"nothing to do: the latest checkpoint is at step {getattr(result, 'start_step', '?')}, the end of the "
             "run; delete its checkpoint directory (spec.training.checkpoint.uri) to train again"
         )
-    if records:
-        first, last = records[0], records[-1]
-        busy = sum(r.step_time_s for r in records)
-        mfus = [r.mfu for r in records if r.mfu is not None]
-        mfu = f"MFU {sum(mfus) / len(mfus):.1%}" if mfus else "MFU n/a (no stated peak for this device)"
-        skipped = sum(int(r.extra.get("skipped_samples", 0)) for r in records)
-        typer.echo(f"steps {first.step}..{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}")
-        typer.echo(
-            f"{len(records)} steps in {wall_s:.1f} s wall: mean step {busy / len(records) * 1e3:.0f} ms, "
-            f"{sum(r.tokens for r in records) / busy if busy else 0:,.0f} tokens/s, {mfu}, "
-            f"{skipped} samples skipped"
-        )
+    else:
+        for line in StepSummary.of(records).lines(wall_s):
+            typer.echo(line)
     validations = getattr(result, "validations", [])
     if validations:
         last = validations[-1]

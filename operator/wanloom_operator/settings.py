@@ -7,12 +7,16 @@ defaults that suit GKE.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from wanloom_api.trainingjob import EnvVar, check_labels, no_reserved_pod_keys
 
 
 def _version() -> str:
@@ -23,6 +27,37 @@ def _version() -> str:
 
 
 VERSION = _version()
+
+
+class TrainerPodDefaults(BaseModel):
+    """What every trainer pod gets from the chart (``trainerPods``), under a TrainingJob's own spec.resources."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+    image_pull_secrets: tuple[str, ...] = ()
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    env: tuple[EnvVar, ...] = Field(
+        (), description="Added to every trainer container (proxies, credentials, storage endpoints)."
+    )
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_labels(no_reserved_pod_keys(labels))
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        return no_reserved_pod_keys(annotations)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: tuple[EnvVar, ...]) -> tuple[EnvVar, ...]:
+        contract = sorted(v.name for v in env if v.name.startswith("WANLOOM_"))
+        if contract:
+            raise ValueError(f"{', '.join(contract)}: WANLOOM_* variables are the operator's start-up contract")
+        return env
 
 
 class OperatorSettings(BaseModel):
@@ -72,6 +107,10 @@ class OperatorSettings(BaseModel):
     megascale_port: int | None = Field(None, ge=1, le=65535, description="MEGASCALE_PORT for multi-slice TPU jobs.")
     cpu_pod_requests: dict[str, str] = Field(
         default_factory=lambda: {"cpu": "500m", "memory": "1Gi"}, description="Requests of CPU-only trainer pods."
+    )
+    trainer_pods: TrainerPodDefaults = Field(
+        default_factory=TrainerPodDefaults,
+        description="Pull secrets, labels, annotations and environment of every trainer pod (JSON).",
     )
     termination_grace_seconds: int = Field(
         300,
@@ -144,6 +183,7 @@ ENV: dict[str, str] = {
     "megascale_port": "WANLOOM_MEGASCALE_PORT",
     "cpu_pod_requests": "WANLOOM_CPU_POD_REQUESTS",
     "termination_grace_seconds": "WANLOOM_TERMINATION_GRACE_SECONDS",
+    "trainer_pods": "WANLOOM_TRAINER_POD_DEFAULTS",
 }
 
 
@@ -151,6 +191,11 @@ def _parse(field: str, raw: str) -> Any:
     """Environment strings -> field values: comma lists for tuples, key=value lists for dicts."""
     if field in ("namespaces", "gpu_network_interfaces"):
         return tuple(item.strip() for item in raw.split(",") if item.strip())
+    if field == "trainer_pods":
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV[field]}: not JSON ({exc})") from None
     if field == "cpu_pod_requests":
         pairs = [item.split("=", 1) for item in raw.split(",") if item.strip()]
         if any(len(p) != 2 for p in pairs):

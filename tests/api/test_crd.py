@@ -62,6 +62,8 @@ def test_names_columns_and_status() -> None:
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Phase",
         "Step",
+        "Steps",
+        "Loss",
         "Step time",
         "Load CV",
         "Restarts",

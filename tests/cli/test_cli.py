@@ -57,3 +57,28 @@ def test_cli_and_render_import_no_kopf_and_no_client() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_render_refuses_a_namespace_kubernetes_would_refuse() -> None:
+    result = CliRunner().invoke(app, ["render", str(EXAMPLE), "--namespace", "Team_A"])
+    assert result.exit_code == 2
+    assert "--namespace" in result.output and "'Team_A' is not a namespace name" in result.output
+
+
+def _commands(group, prefix=()):  # type: ignore[no-untyped-def]
+    for name, command in getattr(group, "commands", {}).items():
+        yield (*prefix, name)
+        yield from _commands(command, (*prefix, name))
+
+
+def test_help_shows_flags_as_flags() -> None:
+    """`--debug / --no-debug`, not `--debug <bool>`: a flag takes no value."""
+    import typer
+
+    names = list(_commands(typer.main.get_command(app)))
+    assert ("run",) in names and ("data", "prepare") in names
+    for name in names:
+        result = CliRunner().invoke(app, [*name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert "<bool>" not in result.output, (name, result.output)
+    assert "--progress / --no-progress" in CliRunner().invoke(app, ["run", "--help"]).output

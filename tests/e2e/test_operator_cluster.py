@@ -279,6 +279,7 @@ def test_a_failing_pod_is_retried_max_restarts_times_then_the_job_fails(
     columns = [c["name"] for c in table["columnDefinitions"]]
     row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
     assert row["Phase"] == "Failed" and row["Restarts"] == 1, row
+    assert row["Steps"] == doc["spec"]["training"]["steps"] and "Loss" in row, row
 
 
 class _Operator:

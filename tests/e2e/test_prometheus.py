@@ -69,10 +69,12 @@ def _wait_for(check: Callable[[], Any], timeout: float, what: str) -> None:
 class Prometheus:
     """A real Prometheus process scraping static targets every second."""
 
-    def __init__(self, workdir: Path, targets: dict[str, tuple[int, dict[str, str]]]) -> None:
+    def __init__(
+        self, workdir: Path, targets: dict[str, tuple[int, dict[str, str]]], rules: dict[str, Any] | None = None
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {
+        config: dict[str, Any] = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [
                 {
@@ -83,6 +85,9 @@ class Prometheus:
                 for job, (port, labels) in targets.items()
             ],
         }
+        if rules is not None:  # the chart's PrometheusRule spec is a Prometheus rule file
+            (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
+            config["rule_files"] = [str(workdir / "rules.yml")]
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
@@ -186,7 +191,7 @@ class OperatorExporter:
     def __init__(self, port: int, trainingjob: str) -> None:
         from wanloom_operator.metrics.operator import OperatorMetrics
 
-        self.metrics = OperatorMetrics()
+        self.metrics, self.trainingjob = OperatorMetrics(), trainingjob
         self.metrics.observe_job(
             NAMESPACE,
             trainingjob,
@@ -198,9 +203,12 @@ class OperatorExporter:
         self._thread.start()
 
     def _reconcile(self) -> None:  # rate() needs the handler counters to move
+        started = time.monotonic()
         while not self._stop.wait(0.5):
             with self.metrics.handler("progress"):
                 pass
+            if time.monotonic() - started > 3:  # four preemptions later: the chart's restart alert must fire
+                self.metrics.observe_job(NAMESPACE, self.trainingjob, {"phase": "Running", "restarts": 5})
 
     def stop(self) -> None:
         self._stop.set()
@@ -234,6 +242,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
                 "wanloom-trainer": (trainer_port, {"namespace": NAMESPACE, "pod": f"{trainingjob}-0"}),
                 "wanloom-operator": (operator_port, {"namespace": "wanloom-system"}),
             },
+            _chart_alert_rules(),
         )
         yield prom, run, trainingjob
     finally:
@@ -241,6 +250,16 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
             prom.stop()
         run.stop()
         operator.stop()
+
+
+def _chart_alert_rules() -> dict[str, Any]:
+    """The groups of the chart's PrometheusRule (metrics.prometheusRule), as Helm renders them."""
+    from helm_python import Chart
+
+    rendered = Chart.load(str(ROOT / "helm" / "wanloom")).render(
+        {"metrics": {"prometheusRule": {"enabled": True}}}, name="wanloom", namespace="wanloom-system"
+    )
+    return yaml.safe_load(rendered["wanloom/templates/prometheusrule.yaml"])["spec"]
 
 
 # -- checks --------------------------------------------------------------------------------------------------------
@@ -355,3 +374,21 @@ def test_dashboard_variables_resolve(scraped: tuple[Prometheus, LocalRun, str]) 
     _wait_for(lambda: prom.query("wanloom_step") or run.check_alive(), 600, "wanloom_step")
     assert NAMESPACE in prom.label_values("namespace", "wanloom_step")
     assert trainingjob in prom.label_values("trainingjob", f'wanloom_step{{namespace=~"{NAMESPACE}"}}')
+
+
+@pytest.mark.slow
+def test_the_charts_alerts_evaluate_and_the_restart_alert_fires(scraped: tuple[Prometheus, LocalRun, str]) -> None:
+    prom, run, trainingjob = scraped
+    _wait_until_training_is_steady(prom, run, timeout=600)
+    expected = {r["alert"] for g in _chart_alert_rules()["groups"] for r in g["rules"]}
+
+    def rules() -> dict[str, Any]:
+        groups = _get_json(f"{prom.url}/api/v1/rules?type=alert")["data"]["groups"]
+        return {r["name"]: r for g in groups for r in g["rules"]}
+
+    _wait_for(lambda: rules().keys() == expected and all(r["health"] == "ok" for r in rules().values()), 30,
+              "every chart alert loaded and evaluated")  # fmt: skip
+    _wait_for(lambda: rules()["WanloomJobRestarts"]["state"] == "firing", 30, "WanloomJobRestarts firing")
+    firing = rules()["WanloomJobRestarts"]["alerts"][0]["labels"]
+    assert firing["namespace"] == NAMESPACE and firing["trainingjob"] == trainingjob, firing
+    assert rules()["WanloomStorageOutage"]["state"] == "inactive"

@@ -63,6 +63,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "no-metrics-service": {"metrics": {"service": {"enabled": False}}},
     "gpu-rdma": {"gpuNetworking": {"ncclProfile": "gib", "interfaces": ["gvnic-1", *(f"rdma-{i}" for i in range(8))]}},
+    "alerts-and-policies": {
+        "metrics": {"prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+        "networkPolicy": {
+            "enabled": True,
+            "trainerNamespaces": ["team-a", "team-b"],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        },
+        "trainerPods": {
+            "imagePullSecrets": ["registry"],
+            "labels": {"team": "ml"},
+            "env": [{"name": "STORAGE_EMULATOR_HOST", "value": "http://gcs.storage:9023"}],
+        },
+    },
     "custom-image": {
         "image": {"repository": "registry.example/wanloom/operator", "tag": "0.1.0-rc1", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
@@ -120,7 +133,10 @@ def _peering_schemas(render: Render) -> dict[str, dict[str, Any]]:
 def _validate(obj: dict[str, Any], peering_schemas: dict[str, dict[str, Any]]) -> None:
     kind = obj["kind"]
     body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
-    if kind in MONITOR_CRDS:
+    if kind == "PrometheusRule":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        _promtool_check(body["spec"])
+    elif kind in MONITOR_CRDS:
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         jsonschema.validate(body, _monitor_schema(kind))
     elif kind in peering_schemas:
@@ -129,6 +145,25 @@ def _validate(obj: dict[str, Any], peering_schemas: dict[str, dict[str, Any]]) -
     else:
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _promtool_check(spec: dict[str, Any]) -> None:
+    """Prometheus's own checker on the rule groups (a PrometheusRule's spec is a rule file)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("WANLOOM_REQUIRE_E2E"):
+            pytest.fail("promtool (Debian's prometheus package, `make services`) is not installed")
+        pytest.skip("promtool is not installed")
+    with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
+        yaml.safe_dump(spec, f)
+        f.flush()
+        checked = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -391,3 +426,38 @@ def test_operator_command_line_is_what_wanloom_operator_accepts(
         networking["ncclProfile"],
         networking["interfaces"],
     )
+
+
+def test_alerts_name_the_job_and_policies_admit_the_operator_and_the_scraper(render: Render) -> None:
+    objects = render(VALUE_SETS["alerts-and-policies"])
+    rule = one(objects, "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {
+        "WanloomTrainingStalled",
+        "WanloomLoadImbalance",
+        "WanloomStorageOutage",
+        "WanloomJobRestarts",
+    }
+    assert all("by (namespace, trainingjob)" in r["expr"] for r in alerts.values())
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    policies = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in by_kind(objects, "NetworkPolicy")}
+    assert set(policies) == {
+        (NAMESPACE, "wanloom-operator"),
+        ("team-a", "wanloom-trainers"),
+        ("team-b", "wanloom-trainers"),
+    }
+    trainers = policies[("team-a", "wanloom-trainers")]["spec"]
+    assert trainers["podSelector"] == {"matchLabels": {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}}
+    scrapers = trainers["ingress"][1]["from"]
+    assert scrapers[0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    assert scrapers[1] == VALUE_SETS["alerts-and-policies"]["networkPolicy"]["metricsFrom"][0]
+    assert trainers["ingress"][1]["ports"] == [{"port": "metrics"}]
+    assert not by_kind(render(), "NetworkPolicy") and not by_kind(render(), "PrometheusRule")
+
+
+def test_trainer_pod_defaults_reach_the_operator_as_settings(render: Render) -> None:
+    settings = pytest.importorskip("wanloom_operator.settings")
+    env = {e["name"]: e.get("value") for e in _container(render(VALUE_SETS["alerts-and-policies"]))["env"]}
+    parsed = settings.OperatorSettings.from_env(env).trainer_pods
+    assert parsed.image_pull_secrets == ("registry",) and parsed.labels == {"team": "ml"}
+    assert [(v.name, v.value) for v in parsed.env] == [("STORAGE_EMULATOR_HOST", "http://gcs.storage:9023")]

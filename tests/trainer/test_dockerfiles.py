@@ -1,13 +1,15 @@
 """The three images pin what they install, run as a non-root user and start the right entry point.
 
-There is no Docker engine here, so the Dockerfiles are parsed: base image tags, the constraints heredoc that
-PIP_CONSTRAINT points at, the packages each `pip install` names, USER and ENTRYPOINT.
+The Dockerfiles are parsed here (`make images` builds them): base image tags, the constraints file that
+PIP_CONSTRAINT points at (copied from trainer_images/constraints/), the packages each `pip install` names, USER
+and ENTRYPOINT.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import tomllib
 from dataclasses import dataclass
 from importlib import metadata
@@ -28,7 +30,7 @@ IMAGES = {
 @dataclass(frozen=True)
 class Dockerfile:
     instructions: list[tuple[str, str]]  # (KEYWORD, arguments), continuation lines joined
-    heredocs: dict[str, list[str]]  # target path -> lines
+    copied: dict[str, str]  # target path -> source path in the build context (single-file COPYs)
 
     def args(self, keyword: str) -> list[str]:
         return [a for k, a in self.instructions if k == keyword]
@@ -37,7 +39,7 @@ class Dockerfile:
 def parse(path: Path) -> Dockerfile:
     lines = path.read_text().splitlines()
     instructions: list[tuple[str, str]] = []
-    heredocs: dict[str, list[str]] = {}
+    copied: dict[str, str] = {}
     i = 0
     while i < len(lines):
         line = lines[i].strip()
@@ -48,13 +50,12 @@ def parse(path: Path) -> Dockerfile:
             line = line[:-1] + " " + lines[i].strip()
             i += 1
         keyword, _, rest = line.partition(" ")
+        assert "<<" not in rest, f"{path.name}: heredocs need BuildKit or buildah >= 1.33; keep the file in the repo"
         instructions.append((keyword.upper(), rest.strip()))
-        heredoc = re.match(r"<<(\w+)\s+(\S+)$", rest.strip())
-        if keyword.upper() == "COPY" and heredoc:
-            end = lines.index(heredoc.group(1), i)
-            heredocs[heredoc.group(2)] = [x.strip() for x in lines[i:end] if x.strip()]
-            i = end + 1
-    return Dockerfile(instructions, heredocs)
+        words = rest.split()
+        if keyword.upper() == "COPY" and len(words) == 2 and not words[0].startswith("--"):
+            copied[words[1]] = words[0]
+    return Dockerfile(instructions, copied)
 
 
 def _dockerfile(image: str) -> Dockerfile:
@@ -70,9 +71,10 @@ def _env(df: Dockerfile) -> dict[str, str]:
 
 def _constraints(df: Dockerfile) -> dict[str, str]:
     path = _env(df)["PIP_CONSTRAINT"]
-    assert path in df.heredocs, f"PIP_CONSTRAINT={path} is not written by a COPY heredoc"
+    assert path in df.copied, f"PIP_CONSTRAINT={path} is not copied from a file of the repository"
     pins = {}
-    for line in df.heredocs[path]:
+    lines = (ROOT / df.copied[path]).read_text().splitlines()
+    for line in (x.strip() for x in lines if x.strip() and not x.startswith("#")):
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([0-9][0-9A-Za-z.+]*)", line)
         assert match, f"constraint {line!r} is not an exact name==version pin"
         pins[canonicalize_name(match.group(1))] = match.group(2)
@@ -171,7 +173,7 @@ SIDES = {"tpu": "wanloom_trainer", "gpu": "wanloom_trainer", "operator": "wanloo
 @pytest.mark.parametrize("image", IMAGES)
 def test_each_image_ships_only_its_side(image: str) -> None:
     sources = [a.split()[0] for a in _dockerfile(image).args("COPY")]
-    packages = {Path(src).name for src in sources if src.startswith(("operator/", "trainer_images/"))}
+    packages = {Path(src).name for src in sources if src.startswith(("operator/", "trainer_images/wanloom_"))}
     assert packages == {"wanloom_api", "wanloom_cli", SIDES[image]}, f"{image}: copies {sorted(packages)}"
 
 
@@ -194,12 +196,15 @@ def test_entrypoint(image: str) -> None:
     assert [json.loads(a) for a in _dockerfile(image).args("ENTRYPOINT")] == [entrypoint]
 
 
-def test_parser_sees_a_broken_pin(tmp_path: Path) -> None:
+def test_parser_sees_a_broken_pin_and_a_heredoc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "c.txt").write_text("# pins\ntorch>=2\n")
     bad = tmp_path / "Dockerfile.bad"
-    bad.write_text(
-        'FROM python:3.11\nENV PIP_CONSTRAINT=/c.txt\nCOPY <<C /c.txt\ntorch>=2\nC\nUSER root\nENTRYPOINT ["python"]\n'
-    )
+    bad.write_text('FROM python:3.11\nENV PIP_CONSTRAINT=/c.txt\nCOPY c.txt /c.txt\nUSER root\nENTRYPOINT ["python"]\n')
     df = parse(bad)
     with pytest.raises(AssertionError, match="not an exact name==version pin"):
         _constraints(df)
     assert df.args("USER") == ["root"]
+    bad.write_text("FROM python:3.11\nCOPY <<C /c.txt\ntorch==2\nC\n")
+    with pytest.raises(AssertionError, match="heredocs need BuildKit or buildah"):
+        parse(bad)

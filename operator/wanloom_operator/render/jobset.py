@@ -7,6 +7,7 @@ preview is exactly what gets created. The chain below reads top to bottom; each 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,17 +136,28 @@ def _jobset_skeleton(
 def _fill_pod(
     jobset: dict[str, Any], job: TrainingJob, shape: PodShape, names: Names, settings: OperatorSettings
 ) -> None:
-    res = job.spec.resources
+    res, defaults = job.spec.resources, settings.trainer_pods
     spec, container = pod_spec(jobset), trainer_container(jobset)
-    volumes, mounts = _operator_volumes(names, shape, settings)
+    template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    requests = container["resources"].get("requests")
+    if requests is not None:
+        container["resources"]["requests"] = requests = overrides.merge_requests(requests, res)
+    volumes, mounts = _operator_volumes(names, shape, settings, (requests or {}).get("memory"))
+    annotations = {}
     if _gib(shape, settings):
         gib_errors = tuple(_gib_errors(job, shape))
         if gib_errors:
             raise InvalidTrainingJob(gib_errors, job.metadata.name)
-        template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
-        template["metadata"]["annotations"] = _network_annotations(settings.gpu_network_interfaces)
+        annotations = _network_annotations(settings.gpu_network_interfaces)
+    template["metadata"]["labels"] = {**defaults.labels, **res.pod_labels, **template["metadata"]["labels"]}
+    annotations = {**defaults.annotations, **res.pod_annotations, **annotations}
+    if annotations:
+        template["metadata"]["annotations"] = annotations
+    secrets = overrides.merge_pull_secrets(defaults.image_pull_secrets, res.image_pull_secrets)
+    if secrets:
+        spec["imagePullSecrets"] = secrets
     rendered_env = env.contract_env(shape, names, job.metadata.name, job.spec.metrics_port, settings)
-    container["env"] = overrides.merge_env(rendered_env, res)
+    container["env"] = overrides.merge_env(rendered_env, defaults.env, res.env)
     spec["volumes"], container["volumeMounts"] = overrides.merge_volumes(volumes, mounts, res)
     spec["nodeSelector"] = overrides.merge_node_selector(spec["nodeSelector"], res.node_selector)
     spec["tolerations"] = overrides.merge_tolerations(spec["tolerations"], res)
@@ -183,21 +195,27 @@ def _network_annotations(interfaces: tuple[str, ...]) -> dict[str, str]:
     }
 
 
-def _shm_limit(shape: PodShape) -> dict[str, str]:
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+
+
+def _shm_limit(memory: str | None) -> dict[str, str]:
     """/dev/shm (data-loader workers, NCCL) counts against the pod's memory: bound it at a quarter of the request."""
-    memory = shape.resources.get("requests", {}).get("memory", "")
-    if not memory.endswith("G"):
+    match = re.fullmatch(r"(\d+)(k|M|G|T|Ki|Mi|Gi|Ti)?", memory or "")
+    if match is None:
         return {}
-    return {"sizeLimit": f"{int(memory[:-1]) // 4}G"}
+    number, unit = int(match[1]), match[2] or ""
+    quarter = f"{number // 4}{unit}" if number % 4 == 0 or unit == "G" else str(number * _QUANTITY_UNITS[unit] // 4)
+    return {"sizeLimit": quarter}
 
 
 def _operator_volumes(
-    names: Names, shape: PodShape, settings: OperatorSettings
+    names: Names, shape: PodShape, settings: OperatorSettings, memory: str | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The config mount, shared memory for data-loader workers and NCCL, and a scratch run directory."""
     sources: dict[str, dict[str, Any]] = {
         "wanloom-config": {"configMap": {"name": names.configmap}},
-        "dshm": {"emptyDir": {"medium": "Memory", **_shm_limit(shape)}},
+        "dshm": {"emptyDir": {"medium": "Memory", **_shm_limit(memory)}},
         "wanloom-run": {"emptyDir": {}},
     }
     if _gib(shape, settings):

@@ -134,14 +134,12 @@ def test_plan_from_a_pixel_csv_in_the_backends_mode(tmp_path):
     ]
 
 
-def test_plan_warns_when_samples_repeat(tmp_path):
-    import json
-
+def test_plan_refuses_a_step_larger_than_an_epoch(tmp_path):
     csv = tmp_path / "shapes.csv"
     csv.write_text("frames,height,width\n" + "1,64,64\n" * 10)
     job = write_job(tmp_path, tmp_path / "nothing", "{cpu: {nodes: 1, devicesPerNode: 8}}")
-    warnings = json.loads(run_plan(job, shapes_csv=csv, as_json=True))["warnings"]
-    assert any("globalBatch 16 exceeds the dataset's 10 samples: samples repeat" in w for w in warnings)
+    with pytest.raises(ValueError, match=r"spec.training.globalBatch 16 is more than the 10 samples .* at most 10"):
+        run_plan(job, shapes_csv=csv, as_json=True)
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,21 @@ def test_bad_index_files_name_the_problem(text: str, match: str) -> None:
         ShapeIndex.from_json(text, where="my/index.json")
 
 
+def test_a_corrupt_index_column_is_named_with_what_it_should_hold() -> None:
+    import json
+
+    index = build_index(_header(), [_manifest("shards/a.tar", ["x", "y"], [[1, 8, 8], [3, 8, 8]])])
+    doc = json.loads(index.to_json())
+    good = json.loads(index.to_json())
+    doc["samples"]["latent_shape"] = [1, 8, 8, 3, 8]
+    with pytest.raises(ValueError, match=r"^my/index.json: samples.latent_shape must hold 6 numbers \(3 per sample, "
+                       r"for the 2 samples of samples.key\); it holds 5$"):  # fmt: skip
+        ShapeIndex.from_json(json.dumps(doc), where="my/index.json")
+    del good["samples"]["crc32"]
+    with pytest.raises(ValueError, match=r"my/index\.json: field 'crc32' is missing"):
+        ShapeIndex.from_json(json.dumps(good), where="my/index.json")
+
+
 def test_duplicate_keys_are_refused() -> None:
     with pytest.raises(ValueError, match="keys repeat"):
         build_index(_header(), [_manifest("a", ["x"], [[1, 1, 1]]), _manifest("b", ["x"], [[1, 1, 1]])])

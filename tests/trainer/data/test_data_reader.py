@@ -124,7 +124,7 @@ def test_known_bad_samples_are_not_fetched_again(dataset: Path) -> None:
         assert len(ds.budget.distinct) == 1  # ... and the budget spends one sample once
 
 
-def test_missing_and_truncated_shards(dataset: Path) -> None:
+def test_missing_and_truncated_shards(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:
     with open_dataset(str(dataset), max_bad_samples=100) as ds:
         in_shard = {k: np.flatnonzero(ds.index.shard == k) for k in range(3)}
         (dataset / ds.index.shards[0]).unlink()
@@ -136,6 +136,9 @@ def test_missing_and_truncated_shards(dataset: Path) -> None:
         assert not ds.load([last]).valid.any()
         assert ds.load([int(in_shard[1][0])]).valid.all()  # the rest of shard 1 is intact
         assert ds.budget.by_reason == {"missing": len(in_shard[0]), "corrupt": 1}
+    size = shard1.stat().st_size
+    truncated = [r.getMessage() for r in caplog.records if "(truncated?)" in r.getMessage()]
+    assert len(truncated) == 1 and f"but the file is {size:,} bytes long" in truncated[0], truncated
 
 
 def test_all_rows_bad_gives_zero_rows_marked_invalid(dataset: Path) -> None:
@@ -148,14 +151,21 @@ def test_all_rows_bad_gives_zero_rows_marked_invalid(dataset: Path) -> None:
         assert not batch.latents.any()
 
 
-def test_the_run_fails_clearly_past_max_bad_samples(dataset: Path) -> None:
+def test_the_run_fails_clearly_past_max_bad_samples(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:
     with open_dataset(str(dataset), max_bad_samples=1) as ds:
-        ids = _same_shape_ids(ds, 2)
+        ids = _same_shape_ids(ds, 3)
         for i in ids:
             _corrupt(dataset, ds, i)
         ds.load(ids[:1])
-        with pytest.raises(TooManyBadSamples, match=r"2 distinct samples skipped, more than data\.maxBadSamples=1"):
+        with pytest.raises(
+            TooManyBadSamples, match=r"2 distinct samples skipped, more than data\.maxBadSamples=1"
+        ) as e:
             ds.load(ids[1:])
+    message = str(e.value)
+    assert message.count(f"sample {ids[1]}") == 1, message  # named once, not "sample N: sample N"
+    # Skips are logged within the budget only; past it the run fails with the message above.
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping sample")]
+    assert len(logged) == 1 and "1 of 1 allowed" in logged[0], logged
 
 
 def test_skip_budget_is_restored_from_state(dataset: Path) -> None:

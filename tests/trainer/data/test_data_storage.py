@@ -156,7 +156,7 @@ def test_local_storage_writes_atomically_and_reads_ranges(tmp_path: Path) -> Non
     storage.write("a/b.bin", b"0123456789")
     assert storage.read_range("a/b.bin", 3, 4) == b"3456"
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.bin"]  # no temporary files left behind
-    with pytest.raises(EOFError, match="wanted 4 bytes at 8"):
+    with pytest.raises(EOFError, match=r"wanted bytes 8\.\.11, but the file is 10 bytes long"):
         storage.read_range("a/b.bin", 8, 4)
     with pytest.raises(MissingObject):
         storage.read("a/none")
@@ -187,7 +187,7 @@ def test_bad_uris() -> None:
 def test_range_past_the_end_is_a_truncation(gcs: str) -> None:
     storage = GCSStorage(gcs, FAST)
     storage.write("x.bin", b"0123456789")
-    with pytest.raises(EOFError, match="wanted 4 bytes at 8"):
+    with pytest.raises(EOFError, match=r"wanted bytes 8\.\.11, got 2 "):
         storage.read_range("x.bin", 8, 4)
     with pytest.raises(EOFError):
         storage.read_range("x.bin", 20, 4)

@@ -3,6 +3,7 @@ as one process holding the same devices, and the pod environment is the operator
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,8 @@ def test_two_processes_train_like_one_process_with_two_devices(tiny: Any, tmp_pa
     worker_log = (two / "runs" / "tiny-local" / "logs" / "process-1.log").read_text()
     assert "num_processes=2, process_id=1" in worker_log
     assert "num_processes=2, process_id=0" in out
+    # The terminal reads like a one-process run: the summary, no timestamps, no Gloo chatter (the log file keeps all).
+    assert f"steps 0..{STEPS - 1}: loss" in out and "steady state (" in out and "warm-up" in out, out
+    assert "[Gloo]" not in out and not re.search(r"^\d{4}-\d\d-\d\d .* INFO ", out, re.M), out
+    process_0 = (two / "runs" / "tiny-local" / "logs" / "process-0.log").read_text()
+    assert re.search(r"^\d{4}-\d\d-\d\d .* INFO wanloom_trainer", process_0, re.M), process_0[:2000]

@@ -49,10 +49,30 @@ def test_the_loss_plot_marks_checkpoints_and_resumes_and_shows_the_learning_rate
             (line.get_label(), line.get_xdata()[0]) for line in loss_axis.lines if line.get_linestyle() in (":", "--")
         }
         assert {x for _, x in vertical} == {4, 8}
-        labels = [text.get_text() for text in loss_axis.get_legend().get_texts()]
+        labels = [text.get_text() for text in fig.legends[0].get_texts()]
         assert {"checkpoint", "resume", "high_noise learning rate", "low_noise learning rate"} <= set(labels)
         assert lr_axis.get_ylabel() == "learning rate"
         high = next(line for line in lr_axis.lines if line.get_label() == "high_noise learning rate")
         assert list(high.get_ydata()) == [r.learning_rate[0] for r in records]
+    finally:
+        plt.close(fig)
+
+
+def test_the_loss_plot_reads_plainly() -> None:
+    """Plain tick numbers on the log axis, one learning-rate line when both experts share it, and a legend that
+    covers no curve."""
+    records = [StepLog(step=s, loss=3.0 / (s + 1) ** 0.3, expert_loss={0: 2.0, 1: 1.0}, expert_samples={0: 1, 1: 1},
+                       grad_norm={}, learning_rate={0: 1e-3, 1: 1e-3}, step_time_s=0.1, data_wait_s=0.0, tokens=10,
+                       model_flops=1e6, mfu=None) for s in range(50)]  # fmt: skip
+    fig = loss_figure(records, [RunEvent("checkpoint", 25)], "t")
+    try:
+        fig.canvas.draw()
+        loss_axis, lr_axis = fig.axes
+        ticks = [label.get_text() for label in loss_axis.get_yticklabels(minor=True) + loss_axis.get_yticklabels()]
+        assert ticks and not any("10^" in t or "times" in t for t in ticks), ticks
+        assert [line.get_label() for line in lr_axis.lines] == ["learning rate (both experts)"]
+        renderer = fig.canvas.get_renderer()
+        legend, plot_area = fig.legends[0].get_window_extent(renderer), loss_axis.get_window_extent(renderer)
+        assert not legend.overlaps(plot_area), (legend, plot_area)
     finally:
         plt.close(fig)

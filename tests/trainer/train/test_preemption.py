@@ -71,6 +71,61 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes_there(tmp_path
     assert f"steps {last + 1}..{last + 2}" in out, out
 
 
+def _wait_for_steps(proc: subprocess.Popen, log: Path, n: int) -> int:
+    deadline = time.monotonic() + 300
+    while len(_records(log)) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"the run did not reach step {n}"
+        time.sleep(0.2)
+    return len(_records(log))
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_like_sigterm_and_exits_130(tmp_path: Path) -> None:
+    job = _job(tmp_path, "tiny-local-torch")
+    proc = _wanloom(job, tmp_path, steps=100_000)
+    _wait_for_steps(proc, tmp_path / "steps.jsonl", 3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Ctrl-C: checkpointing and stopping after this step" in err, err[-3000:]
+    last = _records(tmp_path / "steps.jsonl")[-1]["step"]
+    assert f"stopped by SIGINT at step {last + 1}" in out, out
+    assert (tmp_path / "ckpt" / f"step_{last + 1:08d}").is_dir()
+
+
+@pytest.mark.slow
+def test_a_run_waiting_for_data_that_never_comes_still_stops(tmp_path: Path) -> None:
+    """The shards become FIFOs with no writer: opening one blocks forever, so the step's data never arrives."""
+    import os
+
+    job = _job(tmp_path, "tiny-local")
+    first = _wanloom(job, tmp_path, steps=2)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    for shard in (tmp_path / "data" / "shards").glob("*.tar"):
+        shard.unlink()
+        os.mkfifo(shard)
+    proc = _wanloom(job, tmp_path, steps=10)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not any("resuming" in line for line in _lines(tmp_path)):
+        assert time.monotonic() < deadline, "the second run did not start"
+        time.sleep(0.2)
+    time.sleep(5)  # it is waiting on the data process now
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.monotonic() - sent < 30, "the stop waited for loads that never finish"
+    assert "stopped by SIGTERM at step 2" in out, out
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".")) == ["2"]
+
+
+def _lines(run_dir: Path) -> list[str]:
+    events = run_dir / "events.jsonl"
+    return ["resuming"] if events.exists() and '"resume"' in events.read_text() else []
+
+
 class _AsyncSaves:
     """A backend whose saves commit only when the test says so (orbax's asynchronous checkpoints)."""
 

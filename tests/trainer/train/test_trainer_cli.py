@@ -140,3 +140,35 @@ def test_skipped_rows_leave_the_loss_normaliser() -> None:
     (slot,) = renormalised([Slot(0, {0: rows})], planned / valid)
     np.testing.assert_allclose(slot.ranks[0].weights, [1 / valid] * 3 + [0.0], rtol=1e-6)
     assert renormalised([Slot(0, {0: rows})], 1.0)[0].ranks[0] is rows
+
+
+def test_an_accelerator_job_run_here_fails_at_once_with_what_to_do() -> None:
+    import time
+
+    for job, expected in (
+        ("ti2v-5b-h100-1x8.yaml", "asks for 8 h100 GPUs (spec.resources.gpu.perNode) and this machine has 0 CUDA"),
+        ("ti2v-5b-h200-2x8.yaml", "asks for 2 GPU nodes (spec.resources.gpu.nodes)"),
+        ("t2v-a14b-tpu7x-2x4x4x4.yaml", "asks for a tpu7x 4x4x4 slice (spec.resources.tpu) and this machine has no"),
+    ):
+        started = time.monotonic()
+        result = CliRunner().invoke(app, ["run", str(ROOT / "jobs" / job)])
+        assert result.exit_code == 1 and expected in result.output, result.output
+        assert time.monotonic() - started < 20  # before any data, planning or model
+
+
+def test_the_cpu_cost_model_states_an_fp32_rate() -> None:
+    from wanloom_trainer.adaptiveload.cost_source import analytic_cost
+    from wanloom_trainer.config.variants import get_variant
+
+    assert "(96 GFLOP/s fp32)" in analytic_cost(get_variant("tiny"), "cpu").description
+    assert "(989 TFLOP/s bf16)" in analytic_cost(get_variant("wan2.2-ti2v-5b"), "h100").description
+
+
+def test_plan_json_has_the_bucket_table(monkeypatch, tmp_path: Path) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["plan", str(ROOT / "jobs" / "tiny-local.yaml"), "--json"])
+    assert result.exit_code == 0, result.output
+    buckets = json.loads(result.output)["buckets"]
+    assert [b["latent_shape"] for b in buckets] == [[1, 8, 8], [3, 8, 8]] and sum(b["samples"] for b in buckets) == 32

@@ -49,12 +49,15 @@ def analytic_cost(variant: WanVariant, accelerator_type: str | None) -> Resolved
     acc = get_accelerator(accelerator_type)
     kind = "cpu" if acc.name == "cpu" else "tpu" if acc.name.startswith("tpu") else "gpu"
     rate, a = ASSUMED_MFU * acc.peak_bf16_flops, CALL_OVERHEAD_S[kind]
+    # The CPU's entry is one core's fp32 rate (local runs train the tiny model in fp32), the others dense bf16.
     peak = (
-        f"{acc.peak_bf16_flops / 1e12:,.0f} TFLOP/s" if kind != "cpu" else f"{acc.peak_bf16_flops / 1e9:,.0f} GFLOP/s"
+        f"{acc.peak_bf16_flops / 1e12:,.0f} TFLOP/s bf16"
+        if kind != "cpu"
+        else f"{acc.peak_bf16_flops / 1e9:,.0f} GFLOP/s fp32"
     )
     return ResolvedCost(
         FlopCost(variant.name, rate, a=a),
-        f"analytic FLOPs at {ASSUMED_MFU:.0%} of {acc.name} peak ({peak} bf16) + {a * 1e3:g} ms per micro-batch",
+        f"analytic FLOPs at {ASSUMED_MFU:.0%} of {acc.name} peak ({peak}) + {a * 1e3:g} ms per micro-batch",
     )
 
 

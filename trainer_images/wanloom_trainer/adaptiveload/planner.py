@@ -123,17 +123,15 @@ class PlanConfig:
             raise ValueError(f"scheduler 'balanced' needs training.globalBatch >= 1, got {self.global_batch}")
 
 
-def plan_warnings(config: PlanConfig, dataset_size: int) -> list[str]:
-    """What makes a plan worse than the user expects, in words naming the fields (logged by the trainer, printed
-    by ``wanloom plan``)."""
-    out = []
+def check_batch(config: PlanConfig, dataset_size: int) -> None:
+    """A step holds at most an epoch: a larger ``globalBatch`` would repeat samples within the step (and a huge
+    one would plan forever), so it is refused before any planning."""
     batch = config.global_batch
-    if batch is not None and config.policy == "balanced" and batch > dataset_size:
-        out.append(
-            f"training.globalBatch {batch} exceeds the dataset's {dataset_size} samples: samples repeat within "
-            "a step; lower globalBatch or add data"
+    if batch is not None and batch > dataset_size:
+        raise ValueError(
+            f"spec.training.globalBatch {batch:,} is more than the {dataset_size:,} samples the run trains on (one "
+            f"epoch); use at most {dataset_size:,} or add data"
         )
-    return out
 
 
 def _check_costs(cost_model: CostModel, facts: BucketFacts) -> None:
@@ -161,6 +159,7 @@ class Planner:
         buckets: BucketTable | None = None,
     ) -> None:
         self.index, self.variant, self.config, self.router = index, variant, config, router
+        check_batch(config, len(index))
         self.buckets = buckets if buckets is not None else derive_buckets(index.latent_shapes)
         self.bucket_of = self.buckets.assign(index.latent_shapes)
         # Only buckets that hold samples can break the memory budget or set the paper rule's defaults.
@@ -169,7 +168,6 @@ class Planner:
             tokens_for_latents(variant, self.buckets.latent_shapes)[self._present], config.memory_budget_tokens
         )
         self._use_cost_model(cost_model)
-        self.warnings = plan_warnings(config, len(index))
         self._stream = SampleStream(len(index), config.seed)
 
     def _use_cost_model(self, cost_model: CostModel) -> None:

@@ -172,7 +172,7 @@ def run_plan(
     pl = planner_from_config(config, shapes, cost.model, policy="balanced", layout=layout)
     steps = compare_steps(pl)
     results = compare(pl, steps)
-    warnings = [*pl.warnings, *comparison_warnings(results)]
+    warnings = comparison_warnings(results)
     if as_json:
         shares = config.routing.expected_shares()
         return json.dumps(

@@ -171,10 +171,16 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         parallel=_parallel(spec),
         data=spec.data.model_copy(update={"uri": _uri(spec.data.uri), "index": _uri(spec.data.index)}),
         adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
-        checkpoint=spec.training.checkpoint.model_copy(update={"uri": _uri(spec.training.checkpoint.uri)}),
+        checkpoint=spec.training.checkpoint.model_copy(
+            update={"uri": _output_dir(spec.training.checkpoint.uri, "spec.training.checkpoint.uri")}
+        ),
         validation=spec.validation,
-        export=None if spec.export is None else spec.export.model_copy(update={"uri": _uri(spec.export.uri)}),
-        tracking=spec.tracking.model_copy(update={"tensorboard_uri": _uri(spec.tracking.tensorboard_uri)}),
+        export=None
+        if spec.export is None
+        else spec.export.model_copy(update={"uri": _output_dir(spec.export.uri, "spec.export.uri")}),
+        tracking=spec.tracking.model_copy(
+            update={"tensorboard_uri": _output_dir(spec.tracking.tensorboard_uri, "spec.tracking.tensorboardUri")}
+        ),
         distributed=distributed_from_env(env),
         steps=spec.training.steps,
         global_batch=spec.training.global_batch,
@@ -183,7 +189,7 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         caption_dropout=spec.caption_dropout,
         log_every=spec.training.log_every,
         metrics_port=env_int(env, keys.ENV_METRICS_PORT, spec.metrics_port, minimum=0),
-        run_dir=_local_path(env.get(keys.ENV_RUN_DIR) or str(Path("runs") / job.metadata.name)),
+        run_dir=_output_dir(env.get(keys.ENV_RUN_DIR) or str(Path("runs") / job.metadata.name), keys.ENV_RUN_DIR),
     )
 
 
@@ -254,6 +260,20 @@ def _uri(uri: str | None) -> str | None:
     if uri is None or uri.startswith("gs://"):
         return uri
     return _local_path(uri)
+
+
+def _output_dir(uri: str | None, field: str) -> str | None:
+    """``_uri`` for a directory the run writes: a local one must not be, or lie under, a regular file."""
+    uri = _uri(uri)
+    if uri is None or uri.startswith("gs://"):
+        return uri
+    for folder in (Path(uri), *Path(uri).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == Path(uri) else f"lies under {folder}, which is a file"
+                raise ValueError(f"{field}: {uri} {where}, not a directory; name a directory")
+            break
+    return uri
 
 
 def _local_path(path: str) -> str:

@@ -156,8 +156,10 @@ class ShapeIndex:
             raise ValueError(f"{where}: members {doc.get('members')} differ from {list(MEMBERS)}")
         try:
             return cls._from_doc(doc)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: bad field {exc}") from exc
+        except KeyError as exc:
+            raise ValueError(f"{where}: field {exc} is missing") from exc
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from exc
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any]) -> ShapeIndex:
@@ -165,7 +167,15 @@ class ShapeIndex:
         n = len(s["key"])
 
         def col(name: str, width: tuple[int, ...] = (), dtype: Any = np.int64) -> np.ndarray:
-            return np.asarray(s[name], dtype=dtype).reshape((n, *width))
+            try:
+                return np.asarray(s[name], dtype=dtype).reshape((n, *width))
+            except (TypeError, ValueError):
+                per = int(np.prod(width)) if width else 1
+                held = np.size(s[name]) if _rectangular(s[name]) else "ragged rows"
+                raise ValueError(
+                    f"samples.{name} must hold {n * per} numbers ({per} per sample, for the {n} samples of "
+                    f"samples.key); it holds {held}"
+                ) from None
 
         return cls(
             header=DatasetHeader(**doc["header"]),
@@ -182,6 +192,14 @@ class ShapeIndex:
             member_ranges=col("member_ranges", (len(MEMBERS), 2)),
             crc32=col("crc32"),
         )
+
+
+def _rectangular(values: Any) -> bool:
+    try:
+        np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def shard_name(number: int) -> str:

@@ -54,7 +54,7 @@ class SkipBudget:
             first = sample_id not in self.distinct
             self.distinct.setdefault(sample_id, reason)
             count = len(self.distinct)
-        if first:
+        if first and count <= self.limit:  # past the limit the run fails with the message below instead
             log.warning("skipping sample %d (%s, %d of %d allowed): %s", sample_id, reason, count, self.limit, detail)
         if self.on_skip is not None:
             try:
@@ -64,7 +64,7 @@ class SkipBudget:
         if count > self.limit:
             raise TooManyBadSamples(
                 f"{count} distinct samples skipped, more than data.maxBadSamples={self.limit} "
-                f"({dict(Counter(self.distinct.values()))}); last: sample {sample_id}: {detail}. Repair or rebuild "
+                f"({dict(Counter(self.distinct.values()))}); last: {detail}. Repair or rebuild "
                 "the dataset (wanloom data prepare), or raise spec.data.maxBadSamples"
             )
 

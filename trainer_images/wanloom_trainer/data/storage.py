@@ -124,11 +124,15 @@ class LocalStorage(Storage):
             with self._path(name).open("rb") as f:
                 f.seek(offset)
                 data = f.read(length)
+                size = os.fstat(f.fileno()).st_size
         except FileNotFoundError as exc:
             raise MissingObject(f"{self.join(name)} does not exist") from exc
         self.stats.add(requests=1, bytes_read=len(data))
         if len(data) != length:
-            raise EOFError(f"{self.join(name)}: wanted {length} bytes at {offset}, the file ends after {len(data)}")
+            raise EOFError(
+                f"{self.join(name)}: wanted bytes {offset:,}..{offset + length - 1:,}, but the file is {size:,} bytes "
+                "long (truncated?)"
+            )
         return data
 
     def write(self, name: str, data: bytes) -> None:
@@ -236,7 +240,10 @@ class GCSStorage(Storage):
         data = self._call(f"{self.join(name)} bytes {offset}-{end}", fetch)
         self.stats.add(bytes_read=len(data))
         if len(data) != length:
-            raise EOFError(f"{self.join(name)}: wanted {length} bytes at {offset}, got {len(data)}")
+            raise EOFError(
+                f"{self.join(name)}: wanted bytes {offset:,}..{end:,}, got {len(data):,} (the object is shorter than "
+                "the index says: truncated?)"
+            )
         return data
 
     def write(self, name: str, data: bytes) -> None:

@@ -103,6 +103,16 @@ class TrainerMetrics:
         self._metric(Metric.LAST_CHECKPOINT_DURATION_SECONDS).labels(self.trainingjob).set(duration_s)
         self._metric(Metric.LAST_CHECKPOINT_TIMESTAMP_SECONDS).labels(self.trainingjob).set(timestamp)
 
+    def record_restored_checkpoint(self, step: int, timestamp: float | None) -> None:
+        """The checkpoint a resumed run starts from: its step and save time, so checkpoint age reads right before
+        the run's first save (rank 0; no duration: this process did not save it)."""
+        _require(step >= 0, f"record_restored_checkpoint: step must be >= 0, got {step}")
+        if self.rank != 0:
+            return
+        self._metric(Metric.LAST_CHECKPOINT_STEP).labels(self.trainingjob).set(step)
+        if timestamp is not None:
+            self._metric(Metric.LAST_CHECKPOINT_TIMESTAMP_SECONDS).labels(self.trainingjob).set(timestamp)
+
     def record_validation(self, losses: dict[int, float], seconds: float) -> None:
         """A validation's loss per expert id and its wall time (rank 0 exports it; other ranks ignore the call)."""
         _require(seconds >= 0 and math.isfinite(seconds), f"record_validation: bad seconds {seconds}")

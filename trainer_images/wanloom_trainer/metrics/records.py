@@ -20,7 +20,8 @@ _PER_EXPERT = ("expert_loss", "expert_samples", "grad_norm", "learning_rate")
 
 @dataclass(frozen=True)
 class StepLog:
-    """One step as this process saw it (``step``: its index from 0)."""
+    """One step as this process saw it (``step``: its index from 0); ``compile_s``: the part of the step's time
+    that any process spent tracing and compiling programs (a step with 0 is a steady-state measurement)."""
 
     step: int
     loss: float
@@ -33,6 +34,7 @@ class StepLog:
     tokens: int
     model_flops: float
     mfu: float | None
+    compile_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

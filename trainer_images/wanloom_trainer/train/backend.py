@@ -108,11 +108,13 @@ class ExpertOutputs:
 class StepOutputs:
     """Per expert outputs; ``slot_seconds``: each slot's forward and backward on this process, the device
     synchronised at the slot's end, before the gradient update (their sum is the process's busy time);
-    ``slot_compiled``: the slots whose time includes compiling their program (not a step-time measurement)."""
+    ``slot_compiled``: the slots whose time includes compiling their program (not a step-time measurement);
+    ``compile_seconds``: the step's time spent tracing and compiling programs (0 for a steady-state step)."""
 
     experts: tuple[ExpertOutputs, ...]
     slot_seconds: tuple[float, ...] = ()
     slot_compiled: tuple[bool, ...] = ()
+    compile_seconds: float = 0.0
 
     @property
     def busy_seconds(self) -> float:

@@ -77,6 +77,37 @@ def _check_local_devices(config: TrainConfig, devices: Sequence[jax.Device] | No
         )
 
 
+# Tracing, lowering and compiling (or loading from the persistent cache) all stall the step that needs a new
+# program; their sum tells a compiling step from a measured one.
+_COMPILE_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    }
+)
+
+
+class CompileClock:
+    """Seconds this process has spent making programs, from jax.monitoring's compile events (one listener per
+    process: jax keeps listeners for good)."""
+
+    seconds = 0.0
+    _listening = False
+
+    @classmethod
+    def read(cls) -> float:
+        if not cls._listening:
+            jax.monitoring.register_event_duration_secs_listener(cls._record)
+            cls._listening = True
+        return cls.seconds
+
+    @classmethod
+    def _record(cls, event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            cls.seconds += duration
+
+
 def pad_rows(n: int) -> int:
     """Rows per rank of a slot as compiled: the next power of two, so a run compiles few distinct shapes."""
     return 1 << max(0, n - 1).bit_length()
@@ -246,6 +277,7 @@ class JaxBackend:
 
     def train_step(self, state: JaxState, inputs: StepInputs) -> tuple[JaxState, StepOutputs]:
         experts = range(len(state.params))
+        compiling = CompileClock.read()
         grads, loss_sums, slot_seconds, slot_compiled = self.accumulate_gradients(state, inputs.slots)
         params, opt, norms = list(state.params), list(state.opt), [None for _ in experts]
         for e in experts:
@@ -271,6 +303,7 @@ class JaxBackend:
             ),
             slot_seconds,
             slot_compiled,
+            compile_seconds=CompileClock.read() - compiling,
         )
         return JaxState(tuple(params), tuple(opt), ema), outputs
 

@@ -16,7 +16,9 @@ Messages (``multiprocessing`` queues):
 - parent → ``control``: ``("decide", step, cost model as dict or None)`` after each step of a run that refits its
   cost model online (``CostSchedule.decide``), and ``("stop",)``.
 
-The child ignores SIGINT and SIGTERM: the training process decides when loading stops (after its checkpoint).
+The child ignores SIGINT and SIGTERM: the training process decides when loading stops (after its checkpoint). A
+stop the training process is asked for while it waits for a step (``stop_requested``) ends the iteration: a
+step that never comes (planning that cannot finish, storage that hangs) cannot keep a run from stopping.
 """
 
 from __future__ import annotations
@@ -87,7 +89,14 @@ class DataProcess:
     ``decide`` forwards cost-model decisions; ``state_dict`` is the loader's checkpoint state. ``on_skip`` and
     ``on_outage`` are the parent's metrics hooks for skipped samples and storage outages."""
 
-    def __init__(self, pipeline: Pipeline, *, on_skip: Callable[..., Any], on_outage: Callable[[float], Any]) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        on_skip: Callable[..., Any],
+        on_outage: Callable[[float], Any],
+        stop_requested: Callable[[], bool] = lambda: False,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds framework threads
         self._steps: Any = ctx.Queue(maxsize=1)
         self._events: Any = ctx.Queue()
@@ -95,6 +104,8 @@ class DataProcess:
         self._on_skip, self._on_outage = on_skip, on_outage
         self._state: dict[str, Any] = {"next_step": pipeline.start, "dataset": pipeline.data_state.get("dataset", {})}
         self._ended = False
+        self._stop_requested = stop_requested
+        self.interrupted = False  # the iteration ended because a stop was requested while waiting for a step
         self.wait_s = 0.0  # how long the step last handed out was waited for
         args = (pipeline, logging.getLogger().getEffectiveLevel(), self._steps, self._events, self._control)
         self._process = ctx.Process(target=_serve, args=args, name="wanloom-data", daemon=True)
@@ -110,8 +121,9 @@ class DataProcess:
             message = self._receive()
             self.wait_s = time.perf_counter() - started
             self._drain_events()
-            if message[0] == "end":
+            if message[0] in ("end", "interrupted"):
                 self._ended = True
+                self.interrupted = message[0] == "interrupted"
                 return
             if message[0] == "error":
                 self._ended = True
@@ -126,6 +138,8 @@ class DataProcess:
                 return self._steps.get(timeout=_POLL_S)
             except queue.Empty:
                 self._drain_events()
+                if self._stop_requested():
+                    return ("interrupted",)
                 if self._process.is_alive():
                     continue
             except (EOFError, OSError):  # it died, perhaps in the middle of a message
@@ -164,16 +178,18 @@ class DataProcess:
         """The loader's position: the step after the last one handed out, and the dataset's skip counts."""
         return dict(self._state)
 
-    def close(self) -> None:
-        """Stop the child once its running loads finish (killed after ``_STOP_TIMEOUT_S``), keeping its events."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the child once its running loads finish (killed after ``timeout_s``, default ``_STOP_TIMEOUT_S``),
+        keeping its events."""
+        timeout_s = _STOP_TIMEOUT_S if timeout_s is None else timeout_s
         self._control.put(("stop",))
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while self._process.is_alive() and time.monotonic() < deadline:
             self._drain_events()
             self._discard_steps()  # a child that finished first flushes its last steps before it can exit
             self._process.join(_POLL_S)
         if self._process.is_alive():
-            log.warning("the data process did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
+            log.warning("the data process did not stop within %.0f s; killing it", timeout_s)
             self._process.kill()
             self._process.join()
         self._drain_events()

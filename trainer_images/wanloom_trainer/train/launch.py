@@ -3,19 +3,23 @@
 With ``processes > 1`` every process is ``python -m wanloom_trainer`` with the environment the operator gives a
 pod (docs/startup-contract.md): the TrainingJob file in ``WANLOOM_CONFIG``, process 0's address in
 ``WANLOOM_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port here), one slice of N hosts, host index i, and the
-CPU platform with ``devicesPerNode`` host devices each. Process 0 prints to the terminal; the others log to
-``<run_dir>/logs/process-<i>.log``. If one process fails, the rest are stopped.
+CPU platform with ``devicesPerNode`` host devices each. Every process logs to ``<run_dir>/logs/process-<i>.log``;
+process 0's lines also reach the terminal, as a one-process run prints them (no timestamps, no Gloo connection
+chatter). If one process fails, the rest are stopped.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 import yaml
 
@@ -23,6 +27,11 @@ from wanloom_api import keys
 from wanloom_api.trainingjob import TrainingJob
 
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+COMPILE_CACHE_MIN_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+# What the pod log format (wanloom_trainer.__main__) adds in front of an INFO line, and the collective libraries'
+# own start-up lines: the log files keep them, the terminal does not.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO [\w.]+: ")
+_NOISE = re.compile(r"^\[Gloo\]")
 
 
 def with_overrides(job: TrainingJob, *, steps: int | None = None, processes: int | None = None) -> TrainingJob:
@@ -46,6 +55,38 @@ def with_overrides(job: TrainingJob, *, steps: int | None = None, processes: int
         cpu = spec.resources.cpu.model_copy(update={"nodes": processes})
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"cpu": cpu})})
     return job.model_copy(update={"spec": spec})
+
+
+def require_local_devices(job: TrainingJob) -> None:
+    """Fail at once, in one line, when this machine cannot run the job's accelerators (not after loading data).
+
+    Raises:
+        ValueError: a TPU job off a TPU VM, a multi-node GPU job, or a GPU job without enough CUDA devices.
+    """
+    res = job.spec.resources
+    name = job.metadata.name
+    if res.tpu is not None and not (Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists()):
+        raise ValueError(
+            f"{name} asks for a tpu7x {res.tpu.topology} slice (spec.resources.tpu) and this machine has no TPU: "
+            "run it in a cluster (kubectl apply); `wanloom compile` checks its step here, and jobs/tiny-local.yaml "
+            "trains on this CPU"
+        )
+    if res.gpu is None:
+        return
+    if res.gpu.nodes > 1:
+        raise ValueError(
+            f"{name} asks for {res.gpu.nodes} GPU nodes (spec.resources.gpu.nodes): wanloom run uses one machine; "
+            "run it in a cluster (kubectl apply), or set nodes: 1"
+        )
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < res.gpu.per_node:
+        raise ValueError(
+            f"{name} asks for {res.gpu.per_node} {res.gpu.type} GPUs (spec.resources.gpu.perNode) and this machine "
+            f"has {found} CUDA device(s): run it on a GPU node or in a cluster (kubectl apply); "
+            "jobs/tiny-local-torch.yaml trains on this CPU"
+        )
 
 
 def pod_env(
@@ -87,9 +128,12 @@ def default_run_dir(job: TrainingJob) -> str:
 
 
 def local_env(run_dir: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The base environment of a local run: a persistent XLA compilation cache next to the runs."""
+    """The base environment of a local run: a persistent XLA compilation cache next to the runs, holding every
+    program (jax keeps only those that took a second by default), so a resumed run loads its programs instead of
+    compiling them again (it still traces them)."""
     env = dict(os.environ if base is None else base)
     env.setdefault(COMPILE_CACHE_ENV, os.path.join(os.path.dirname(run_dir), ".jax-compile-cache"))
+    env.setdefault(COMPILE_CACHE_MIN_ENV, "0")
     return env
 
 
@@ -101,11 +145,24 @@ def run_in_process(job: TrainingJob, *, run_dir: str, metrics_port: int, progres
     env = local_env(run_dir)
     env.update({keys.ENV_RUN_DIR: run_dir, keys.ENV_METRICS_PORT: str(metrics_port)})
     config = from_trainingjob(job, env)
-    os.environ.setdefault(COMPILE_CACHE_ENV, env[COMPILE_CACHE_ENV])
+    for name in (COMPILE_CACHE_ENV, COMPILE_CACHE_MIN_ENV):
+        os.environ.setdefault(name, env[name])
     prepare_platform(config)
     from wanloom_trainer.train.run import run
 
     return run(config, progress=progress)
+
+
+def read_result(run_dir: str) -> object:
+    """What the processes of ``run_processes`` did, read back from process 0's step log and events
+    (``train.run.RunResult``)."""
+    from wanloom_trainer.train.loss_log import latest_run
+    from wanloom_trainer.train.run import RunResult
+
+    start, records, checkpoints = latest_run(run_dir)
+    plot = Path(run_dir, "loss.png")
+    next_step = records[-1].step + 1 if records else start
+    return RunResult(start, next_step, records, checkpoints, plot if plot.exists() else None)
 
 
 def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_port: int) -> int:
@@ -130,18 +187,33 @@ def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_por
                     metrics_port=port,
                 )
             )
-            out = None
-            if i > 0:
-                out = open(os.path.join(run_dir, "logs", f"process-{i}.log"), "w")  # noqa: SIM115 (closed below)
-                logs.append(out)
-            procs.append(subprocess.Popen([sys.executable, "-m", "wanloom_trainer"], env=env, stdout=out, stderr=out))
-        return _wait_all(procs)
+            out = open(os.path.join(run_dir, "logs", f"process-{i}.log"), "w")  # noqa: SIM115 (closed below)
+            logs.append(out)
+            stdout = subprocess.PIPE if i == 0 else out
+            command = [sys.executable, "-m", "wanloom_trainer"]
+            procs.append(subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True))
+            if i == 0:
+                echo = threading.Thread(target=_echo, args=(procs[0].stdout, out), daemon=True)
+                echo.start()
+        code = _wait_all(procs)
+        echo.join(timeout=5)
+        return code
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for f in logs:
             f.close()
+
+
+def _echo(stream: IO[str], log_file: IO[str]) -> None:
+    """Process 0's output: every line to its log file, the readable ones to the terminal."""
+    for line in stream:
+        log_file.write(line)
+        log_file.flush()
+        if not _NOISE.match(line):
+            sys.stdout.write(_LOG_PREFIX.sub("", line))
+            sys.stdout.flush()
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int:

@@ -114,6 +114,17 @@ def read_validation(path: str | Path) -> list[ValidationRecord]:
     return [ValidationRecord.from_json(line) for line in text.splitlines() if line.strip()]
 
 
+def latest_run(run_dir: str | Path) -> tuple[int, list[StepLog], list[int]]:
+    """The first step, the steps and the committed checkpoints of the run that wrote ``run_dir`` last: those since
+    its latest resume (``wanloom run --processes`` summarises from here; process 0 wrote the files)."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    start = max((e.step for e in events if e.kind == "resume"), default=0)
+    records = read_log(run_dir / "steps.jsonl") if (run_dir / "steps.jsonl").exists() else []
+    checkpoints = [e.step for e in events if e.kind == "checkpoint" and e.step > start]
+    return start, [r for r in records if r.step >= start], checkpoints
+
+
 def plot_losses(
     records: Sequence[StepLog],
     events: Sequence[RunEvent],
@@ -141,8 +152,9 @@ def loss_figure(
 
     matplotlib.use("Agg")  # no display: pods and CI
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 5.2), dpi=110, layout="constrained")
     steps = [r.step for r in records]
     ax.plot(steps, [r.loss for r in records], color="0.75", lw=0.8, label="step loss")
     ax.plot(steps, _moving_average([r.loss for r in records]), color="black", lw=1.6, label="step loss (avg)")
@@ -158,6 +170,10 @@ def loss_figure(
             xs, ys = zip(*held_out, strict=True)
             ax.plot(xs, ys, color=color, marker="o", ls="--", lw=0.8, label=f"{EXPERT_LABELS[expert]} validation")
     ax.set_yscale("log")
+    # Plain numbers at 1, 2 and 5 of each decade ("0.5", "3"), not matplotlib's "3x10^0" minor labels.
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0), numticks=12))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("step")
     ax.set_ylabel("flow-matching loss")
     ax.set_title(title)
@@ -170,20 +186,29 @@ def loss_figure(
         for i, step in enumerate(sorted({e.step for e in events if e.kind == kind})):
             ax.axvline(step, label=kind if i == 0 else None, **style)
     lr_axis = ax.twinx()
-    for expert, color in zip(range(len(EXPERT_LABELS)), ("tab:red", "tab:blue"), strict=True):
-        points = [(r.step, r.learning_rate[expert]) for r in records if expert in r.learning_rate]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            lr_axis.plot(
-                xs, ys, color=color, lw=0.8, alpha=0.5, ls="-.", label=f"{EXPERT_LABELS[expert]} learning rate"
-            )
+    for label, color, xs, ys in _learning_rate_lines(records):
+        lr_axis.plot(xs, ys, color=color, lw=0.8, alpha=0.6, ls="-.", label=label)
     lr_axis.set_ylabel("learning rate")
     lr_axis.set_ylim(bottom=0)
     handles, labels = ax.get_legend_handles_labels()
     lr_handles, lr_labels = lr_axis.get_legend_handles_labels()
-    ax.legend(handles + lr_handles, labels + lr_labels, fontsize="small")
-    fig.tight_layout()
+    # Below the plot, where no curve is.
+    fig.legend(handles + lr_handles, labels + lr_labels, fontsize="small", loc="outside lower center", ncols=4)
     return fig
+
+
+def _learning_rate_lines(records: Sequence[StepLog]) -> list[tuple[str, str, list[int], list[float]]]:
+    """(label, colour, steps, rates) per expert; one line when both experts follow the same rates (drawn twice, one
+    would hide the other)."""
+    lines = []
+    for expert, color in zip(range(len(EXPERT_LABELS)), ("tab:red", "tab:blue"), strict=True):
+        points = [(r.step, r.learning_rate[expert]) for r in records if expert in r.learning_rate]
+        if points:
+            xs, ys = (list(v) for v in zip(*points, strict=True))
+            lines.append((f"{EXPERT_LABELS[expert]} learning rate", color, xs, ys))
+    if len(lines) == 2 and lines[0][2:] == lines[1][2:]:
+        return [("learning rate (both experts)", "tab:gray", lines[0][2], lines[0][3])]
+    return lines
 
 
 def _moving_average(values: list[float], window: int = 10) -> list[float]:

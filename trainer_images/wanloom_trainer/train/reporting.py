@@ -3,7 +3,7 @@
 FLOPs count the *useful* model FLOPs of the step's real samples (``wanloom_trainer.flops``: forward × 3, no
 remat, no padding rows) at each micro-batch's bucket token count. MFU divides them by the step's wall time (the
 slowest process), the device count and the per-device dense bf16 peak of ``TrainConfig.accelerator_type``
-(``flops.ACCELERATORS``: per TensorCore on TPU v7x, per GPU otherwise); CPU runs have no peak and report none.
+(``flops.ACCELERATORS``: per TensorCore on TPU v7x, per GPU otherwise, one core's fp32 rate on CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def step_log(
     data_wait_s: float,
     num_devices: int,
     num_samples: int | None = None,
+    compile_s: float = 0.0,
 ) -> StepLog:
     """The step's numbers: per-expert mean loss over its samples, norms and rates, throughput and MFU.
     ``num_samples``: the samples the loss was normalised by (the plan's, less skipped ones)."""
@@ -61,6 +62,7 @@ def step_log(
         tokens=int(plan.tokens),
         model_flops=model_flops,
         mfu=mfu,
+        compile_s=compile_s,
     )
 
 
@@ -84,7 +86,8 @@ class Reporter:
             )
 
     def step(self, record: StepLog, plan: Any, every: Any, num_devices: int) -> None:
-        """``every``: float [processes, 3], each process's wall time, busy time and predicted busy time."""
+        """``every``: float [processes, 4], each process's wall time, busy time, predicted busy time and compile
+        time."""
         self.metrics.record_data_wait(record.data_wait_s)
         self.metrics.record_step(self._prometheus_record(record, plan, every, num_devices))
         if self.log is not None:

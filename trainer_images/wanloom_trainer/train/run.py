@@ -35,7 +35,7 @@ from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log, read_validation
 from wanloom_trainer.train.plan_ahead import CostSchedule
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
-from wanloom_trainer.train.schedule import expert_lr_scales, learning_rates
+from wanloom_trainer.train.schedule import Segment, expert_lr_scales, learning_rates, resumed_segment
 from wanloom_trainer.train.validation import Validator
 
 if TYPE_CHECKING:
@@ -63,25 +63,33 @@ class RunResult:
 
 
 class StopRequest:
-    """SIGTERM (preemption, maintenance, ``kubectl delete``) asks the loop to checkpoint and stop after the current
-    step; the handler only sets a flag, the loop does the work on the main thread."""
+    """SIGTERM (preemption, maintenance, ``kubectl delete``) and a first Ctrl-C (SIGINT) ask the loop to checkpoint
+    and stop after the current step; the handler only sets a flag, the loop does the work on the main thread. A
+    second Ctrl-C stops at once, without a checkpoint (``KeyboardInterrupt``)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.signal: str | None = None
 
     def __call__(self, signum: int, _frame: Any) -> None:
-        self.signal = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            if self.signal is not None:
+                raise KeyboardInterrupt
+            log.warning("Ctrl-C: checkpointing and stopping after this step (Ctrl-C again stops at once, unsaved)")
+        self.signal = self.signal or signal.Signals(signum).name
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
         if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
             yield self
             return
-        previous = signal.signal(signal.SIGTERM, self)
+        previous = {s: signal.signal(s, self) for s in self.SIGNALS}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def predicted_busy(plan: LocalPlan) -> float:
@@ -116,9 +124,9 @@ def run(
         dataset = open_data(config, backend)  # 2. data
         stack.callback(dataset.close)
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
-        for warning in planner.warnings if backend.process_index == 0 else ():
-            log.warning("adaptiveLoad: %s", warning)
         state, start, meta = initial_state(config, backend)  # 4. state
+        if meta:  # resumed: the checkpoint gauges describe the checkpoint until the run saves its own
+            metrics.record_restored_checkpoint(start, meta.get("saved_at"))
         reporter = Reporter(
             config, metrics=metrics, process_index=backend.process_index, start_step=start, progress=progress
         )
@@ -207,12 +215,15 @@ class _Loop:
         # and every step the data process has ready.
         self.refit_lag = PLAN_DEPTH + config.data.prefetch + 2 + STEPS_AHEAD if al.refit_every_steps else None
         self.schedule = CostSchedule(planner.cost_model, start=0, lag=None)
+        self.lr_segment = Segment(config.steps)
+        self._said_refit_waits = False
         self._last_step_end: float | None = None
         self.validator: Validator | None = None
 
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
         from wanloom_trainer.adaptiveload.cost_model import cost_model_from_dict
 
+        self.lr_segment = self._lr_segment(meta, start)
         changes = meta.get("cost_models", [])
         restored = [(int(first), cost_model_from_dict(doc)) for first, doc in changes]
         self.schedule = CostSchedule(
@@ -222,18 +233,38 @@ class _Loop:
         metrics = self.reporter.metrics
         pipeline = Pipeline(self.config, self.ranks, start, LAYOUTS[self.backend.name], self.refit_lag, changes,
                             meta.get("data", {}))  # fmt: skip
-        self.data = DataProcess(pipeline, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage)
+        self.data = DataProcess(
+            pipeline, on_skip=metrics.record_skipped, on_outage=metrics.record_storage_outage,
+            stop_requested=lambda: self.stop.signal is not None,
+        )  # fmt: skip
         try:
             for step_data in self.data:
                 state = self.step(state, step_data)
                 if self._stop_requested():
                     self._stop(state)
                     break
+            if self.data.interrupted:
+                self._stop_waiting(state)
         finally:
             self.schedule.close()
-            self.data.close()
+            # A stop while waiting does not wait long for loads that may never finish.
+            self.data.close(timeout_s=5.0 if self.data.interrupted else None)
         self._report_commit(wait=True)
         return state
+
+    def _lr_segment(self, meta: dict[str, Any], start: int) -> Segment:
+        """The learning-rate schedule from ``start`` on: the checkpoint's, re-laid when the run's length changed."""
+        saved = Segment.from_dict(meta["lr_schedule"]) if "lr_schedule" in meta else None
+        segment = resumed_segment(self.config.optimizer, saved, start, self.config.steps)
+        if saved is not None and saved.total_steps != self.config.steps and self.backend.process_index == 0:
+            rate = learning_rates(self.config.optimizer, (1.0,), start, self.config.steps, segment)[0]
+            log.warning(
+                "the run's length changed from %d to %d steps at step %d: the learning rate continues from %.3g "
+                "and its %s decay is re-laid over steps %d..%d (docs/trainingjob.md, spec.training.steps)",
+                saved.total_steps, self.config.steps, start, rate, self.config.optimizer.schedule, start,
+                self.config.steps - 1,
+            )  # fmt: skip
+        return segment
 
     def _stop_requested(self) -> bool:
         """Every process stops at the same step: a SIGTERM seen by any process stops them all."""
@@ -244,11 +275,24 @@ class _Loop:
 
     def _stop(self, state: Any) -> None:
         next_step = self.result.next_step
-        if self.config.checkpoint.uri is not None and next_step not in (self.result.checkpoints + self._pending()):
+        saved = [self.result.start_step, *self.result.checkpoints, *self._pending()]  # the start: restored or fresh
+        if self.config.checkpoint.uri is not None and next_step not in saved:
             self.save(state, next_step)
         self._report_commit(wait=True)
         self.result.stopped_by = self.stop.signal or "a peer's SIGTERM"
         log.warning("stopped by %s before step %d; last committed checkpoint: %s", self.result.stopped_by, next_step,
+                    self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
+
+    def _stop_waiting(self, state: Any) -> None:
+        """Stopped while waiting for the next step's data. One process alone is at a step boundary and checkpoints;
+        of several, the others may be inside a step's collectives, so none saves (they stop on their own signal)."""
+        if self.backend.process_count == 1:
+            self._stop(state)
+            return
+        self._report_commit(wait=True)
+        self.result.stopped_by = self.stop.signal
+        log.warning("stopped by %s while waiting for the data of step %d: no new checkpoint (last committed: %s)",
+                    self.stop.signal, self.result.next_step,
                     self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
 
     def _pending(self) -> list[int]:
@@ -288,18 +332,18 @@ class _Loop:
             slots=renormalised(slots, plan.num_samples / sum(valid)),
             num_samples=sum(valid),
             expert_samples=valid,
-            learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps),
+            learning_rates=learning_rates(cfg.optimizer, self.lr_scales, plan.step, cfg.steps, self.lr_segment),
         )
         state, out = self.backend.train_step(state, inputs)
         # A step's time runs from the previous step's end (the first: from its own start), so the reporting,
         # checkpoint bookkeeping and hand-over between steps count: tokens/s and MFU are not optimistic.
         now = time.perf_counter()
         wall, self._last_step_end = now - (self._last_step_end or started), now
-        # [wall, busy, predicted busy] of every process: one collective.
-        every = self.backend.gather_rows([wall, out.busy_seconds, predicted_busy(plan)])
+        # [wall, busy, predicted busy, compiling] of every process: one collective.
+        every = self.backend.gather_rows([wall, out.busy_seconds, predicted_busy(plan), out.compile_seconds])
         record = step_log(
             plan, out, config=cfg, step_time_s=float(every[:, 0].max()), data_wait_s=data_wait,
-            num_devices=self.backend.num_devices, num_samples=sum(valid),
+            num_devices=self.backend.num_devices, num_samples=sum(valid), compile_s=float(every[:, 3].max()),
         )  # fmt: skip
         if sum(valid) < plan.num_samples:
             record.extra["skipped_samples"] = plan.num_samples - sum(valid)
@@ -335,7 +379,11 @@ class _Loop:
             outcome = None
             if primary:
                 outcome = self.refit.refit(self.schedule.model_at(plan.step))
-                (log.warning if outcome.verdict == "rejected" else log.info)("step %d: %s", plan.step, outcome.message)
+                # Waiting for enough timings is said once, not at every refit (a job may never have 3 lengths).
+                if outcome.verdict is not None or not self._said_refit_waits:
+                    level = log.warning if outcome.verdict == "rejected" else log.info
+                    level("step %d: %s", plan.step, outcome.message)
+                    self._said_refit_waits |= outcome.verdict is None
                 errors = {"in_use": outcome.in_use_error, "refit": outcome.heldout_error,
                           "analytic": outcome.analytic_heldout_error}  # fmt: skip
                 self.reporter.metrics.record_cost_model(errors, outcome.verdict)
@@ -377,6 +425,9 @@ class _Loop:
             "data": self.data.state_dict() if self.data is not None else {"next_step": next_step},
             # Refits decided so far: the steps after next_step are planned with the models chosen for them.
             "cost_models": [[first, model.to_dict()] for first, model in self.schedule.changes()],
+            # The learning-rate schedule the next steps follow (a changed run length re-lays its decay).
+            "lr_schedule": self.lr_segment.to_dict(),
+            "saved_at": time.time(),  # the checkpoint-age gauge of a run that resumes from it
         }
         self._report_commit(wait=True)  # one save in flight at a time
         started = time.perf_counter()

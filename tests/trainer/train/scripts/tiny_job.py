@@ -5,38 +5,25 @@ Imported by the subprocess scripts next to it and, through the ``tiny_config`` f
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from wanloom_api.trainingjob import TrainingJob
-from wanloom_api.validation import parse_trainingjob
+from wanloom_api.validation import load_trainingjob_file, with_spec
 from wanloom_trainer.config.train_config import TrainConfig, from_trainingjob
 
 ROOT = Path(__file__).resolve().parents[4]
 TINY_LOCAL = ROOT / "jobs" / "tiny-local.yaml"
 
 
-def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def tiny_job(workdir: str | Path, **spec_changes: Any) -> TrainingJob:
     """tiny-local with data, checkpoints in ``workdir`` and ``spec_changes`` merged into the spec (camelCase)."""
-    doc = yaml.safe_load(TINY_LOCAL.read_text())
     workdir = Path(workdir)
-    doc["spec"]["data"]["uri"] = str(workdir / "data")
-    doc["spec"]["training"]["checkpoint"]["uri"] = str(workdir / "checkpoints")
-    doc["spec"] = _merge(doc["spec"], spec_changes)
-    return parse_trainingjob(doc, "tiny test job")
+    paths = {"data": {"uri": str(workdir / "data")}, "training": {"checkpoint": {"uri": str(workdir / "checkpoints")}}}
+    job = with_spec(load_trainingjob_file(TINY_LOCAL), "tiny test job", **paths)
+    return with_spec(job, "tiny test job", **spec_changes)
 
 
 def tiny_config(workdir: str | Path, env: dict[str, str] | None = None, **spec_changes: Any) -> TrainConfig:
