@@ -1,6 +1,17 @@
-"""Fixtures shared across the suite: a real GCS emulator (gcp-storage-emulator) on 127.0.0.1."""
+"""Fixtures shared across the suite: a real GCS emulator (gcp-storage-emulator) on 127.0.0.1.
+
+Triton decides when it is first imported whether kernels (its own standard library included) are compiled or
+interpreted, and many test modules import it indirectly (diffusers, torch): ``TRITON_INTERPRET=1`` is set here,
+in the conftest pytest loads first, unless a GPU is present (then the Triton tests run compiled).
+"""
 
 from __future__ import annotations
+
+import os
+import shutil
+
+if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import socket
 import uuid

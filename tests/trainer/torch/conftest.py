@@ -1,16 +1,7 @@
 """Shared pieces of the PyTorch-trainer tests (fixtures: the tree is imported with --import-mode=importlib).
-
-Triton decides at import whether kernels are compiled or interpreted: ``TRITON_INTERPRET=1`` is set here, before any
-test module of this folder imports it, unless a GPU is present (then the fused tests run compiled).
-"""
+tests/conftest.py sets ``TRITON_INTERPRET=1`` (no GPU) before anything imports Triton."""
 
 from __future__ import annotations
-
-import os
-import shutil
-
-if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from pathlib import Path
 
