@@ -3,6 +3,7 @@ tests/conftest.py sets ``TRITON_INTERPRET=1`` (no GPU) before anything imports T
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
