@@ -44,6 +44,9 @@ ENV_SLICE_INDEX = "WANLOOM_SLICE_INDEX"  # job index within the replicated job
 ENV_HOSTS_PER_SLICE = "WANLOOM_HOSTS_PER_SLICE"  # pods per slice (Job parallelism)
 ENV_HOST_INDEX = "WANLOOM_HOST_INDEX"  # Job completion index
 ENV_DEVICES_PER_HOST = "WANLOOM_DEVICES_PER_HOST"
+# Seconds the torch launcher gives its workers to checkpoint after SIGTERM before it kills them: inside the pod's
+# terminationGracePeriodSeconds, so the launcher still reports the workers' exit status.
+ENV_SHUTDOWN_SECONDS = "WANLOOM_SHUTDOWN_SECONDS"
 
 CONFIG_MOUNT_DIR = "/etc/wanloom"
 CONFIG_FILE_NAME = "trainingjob.yaml"

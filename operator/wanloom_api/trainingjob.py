@@ -91,6 +91,26 @@ DEFAULT_SAMPLING: dict[str, tuple[int, float, tuple[float, float]]] = {
     "tiny-i2v": (8, 1.0, (3.0, 3.0)),
     "tiny-ti2v": (8, 1.0, (3.0, 3.0)),
 }
+# What splitting a sample's sequence over ranks depends on, per variant: (attention heads, pixels per token along
+# frames, height and width = VAE stride × patch). Ulysses context parallelism splits the heads, so the context degree
+# must divide them; a sample of F×H×W pixels is ((F − 1)/4 + 1)·(H/ph)·(W/pw) tokens, which the context × tensor
+# degree must divide wherever a micro-batch holds whole samples (everything but packed rows).
+SEQUENCE_GEOMETRY: dict[str, tuple[int, tuple[int, int, int]]] = {
+    "wan2.2-t2v-a14b": (40, (4, 16, 16)),
+    "wan2.2-i2v-a14b": (40, (4, 16, 16)),
+    "wan2.2-ti2v-5b": (24, (4, 32, 32)),
+    "tiny": (2, (4, 16, 16)),
+    "tiny-i2v": (2, (4, 16, 16)),
+    "tiny-ti2v": (2, (4, 16, 16)),
+}
+
+
+def tokens_per_sample(variant: str, frames: int, height: int, width: int) -> int:
+    """Transformer tokens of one F×H×W sample (``SEQUENCE_GEOMETRY``; the trainer's ``config.variants`` agrees)."""
+    _, (ft, fh, fw) = SEQUENCE_GEOMETRY[variant]
+    return ((frames - 1) // ft + 1) * (height // fh) * (width // fw)
+
+
 # Variants conditioned on an image (the I2V layout): they cannot generate from a text prompt alone.
 IMAGE_CONDITIONED_VARIANTS: tuple[str, ...] = ("wan2.2-i2v-a14b", "tiny-i2v")
 PROMPTS_NEED_TEXT_TO_VIDEO = "validation.promptSize: an image-to-video variant cannot generate from a prompt alone"

@@ -38,6 +38,7 @@ from wanloom_api.trainingjob import (
     PROMPTS_NEED_TEXT_TO_VIDEO,
     RESERVED_MOUNT_PATH,
     RESERVED_VOLUME,
+    SEQUENCE_GEOMETRY,
     SPLASH_NEEDS_TPU,
     STORAGE_URI,
     TORCH_ATTENTION,
@@ -47,6 +48,7 @@ from wanloom_api.trainingjob import (
     XLA_ATTENTION,
     TrainingJob,
     TrainingJobSpec,
+    tokens_per_sample,
 )
 
 
@@ -286,6 +288,57 @@ def _check_parallelism(spec: TrainingJobSpec) -> Iterator[FieldError]:
         )
 
 
+def _check_sequence_split(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    """What the resolved context and tensor degrees split must divide (``SEQUENCE_GEOMETRY``): the attention heads,
+    and, wherever a micro-batch holds whole samples (all but the JAX trainer's packed rows, which it pads to the
+    multiple itself), every configured bucket's tokens per sample. Buckets derived from the data are cut to such
+    sizes by the planner."""
+    devices = device_count(spec)
+    try:
+        resolved = resolve_parallelism(spec.parallelism.degrees(), devices) if devices else None
+    except ValueError:
+        resolved = None  # _check_parallelism names the problem
+    if resolved is None:
+        return
+    variant, backend = spec.model.variant, spec.resources.resolved_backend
+    heads, _ = SEQUENCE_GEOMETRY[variant]
+    # Ulysses (torch) exchanges heads for sequence; tensor parallelism (JAX) splits the heads.
+    head_split = ("context", resolved["context"]) if backend == "torch" else ("tensor", resolved["tensor"])
+    if heads % head_split[1]:
+        yield FieldError(
+            f"spec.parallelism.{head_split[0]}",
+            f"{head_split[1]} must divide the {heads} attention heads of {variant}, which it splits (got "
+            f"{head_split[1]}; use one of {', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0)})",
+        )
+    multiple = resolved["context"] * resolved["tensor"]
+    al = spec.adaptive_load
+    packed = backend == "jax" and al.enabled and al.scheduler == "balanced"
+    if multiple == 1 or packed:
+        return
+    for i, bucket in enumerate(al.buckets or ()):
+        tokens = tokens_per_sample(variant, *bucket.pixels)
+        if tokens % multiple:
+            fits = _divisible_size(variant, bucket, multiple)
+            yield FieldError(
+                f"spec.adaptiveLoad.buckets[{i}]",
+                f"{bucket.frames}x{bucket.height}x{bucket.width} is {tokens:,} tokens per sample, which context x "
+                f"tensor = {multiple} does not divide (each sample's sequence is split over those ranks); use a "
+                f"size whose token count is a multiple of {multiple}, e.g. {fits}",
+            )
+
+
+def _divisible_size(variant: str, bucket: Any, multiple: int) -> str:
+    """The largest F×H'×W' crop of ``bucket`` (H' ≤ H, W' ≤ W) whose token count ``multiple`` divides."""
+    _, (_, fh, fw) = SEQUENCE_GEOMETRY[variant]
+    best = (0, bucket.height, bucket.width)
+    for h in range(bucket.height, max(fh, bucket.height - multiple * fh) - 1, -fh):
+        for w in range(bucket.width, max(fw, bucket.width - multiple * fw) - 1, -fw):
+            tokens = tokens_per_sample(variant, bucket.frames, h, w)
+            if tokens % multiple == 0 and tokens > best[0]:
+                best = (tokens, h, w)
+    return f"{bucket.frames}x{best[1]}x{best[2]}" if best[0] else f"a larger {bucket.frames}-frame size"
+
+
 def _check_volumes(spec: TrainingJobSpec) -> Iterator[FieldError]:
     """The user's volumes and mounts beside the operator's own (keys.OPERATOR_VOLUMES): the same rules as the
     CRD's CEL, with each error at its item."""
@@ -382,6 +435,7 @@ _CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (
     _check_variant_fields,
     _check_resources,
     _check_parallelism,
+    _check_sequence_split,
     _check_volumes,
     _check_kernels,
     _check_uris,

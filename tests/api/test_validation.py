@@ -160,3 +160,50 @@ def test_volume_rules_name_the_item(case: dict[str, object]) -> None:
     doc["spec"]["resources"] |= {k: v for k, v in case.items() if k != "error"}
     errors = validate_trainingjob(doc).errors
     assert [e.path for e in errors] == ([case["error"]] if case["error"] else []), errors
+
+
+def _sequence_job(variant: str, parallelism: dict, resources: dict, buckets: list[dict], **spec: object) -> dict:
+    return {
+        "apiVersion": "wanloom.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "split"},
+        "spec": {
+            "model": {"variant": variant},
+            "data": {"uri": "gs://b/d"},
+            "adaptiveLoad": {"buckets": buckets},
+            "parallelism": parallelism,
+            "training": {"steps": 10, "globalBatch": 8},
+            "resources": resources,
+            **spec,
+        },
+    }
+
+
+def test_a_bucket_the_context_degree_does_not_divide_is_refused_with_a_size_that_works() -> None:
+    """TI2V-5B with context 4: a 480x832 image is 15 x 26 = 390 tokens, which Ulysses cannot split four ways."""
+    gpu = {"gpu": {"type": "h100", "perNode": 8, "nodes": 1}}
+    buckets = [{"frames": 121, "height": 704, "width": 1280}, {"frames": 1, "height": 480, "width": 832}]
+    result = validate_trainingjob(_sequence_job("wan2.2-ti2v-5b", {"fsdp": -1, "context": 4}, gpu, buckets))
+    [error] = result.errors
+    assert error.path == "spec.adaptiveLoad.buckets[1]"
+    assert "390 tokens per sample" in error.message and "context x tensor = 4" in error.message
+    assert "e.g. 1x448x832" in error.message  # 14 x 26 = 364 tokens
+    # Context 2 divides 390; and the JAX trainer's packed rows are padded to the multiple whatever the buckets.
+    assert validate_trainingjob(_sequence_job("wan2.2-ti2v-5b", {"fsdp": -1, "context": 2}, gpu, buckets)).ok
+    tpu = {"tpu": {"type": "tpu7x", "topology": "2x2x1"}}
+    assert validate_trainingjob(_sequence_job("wan2.2-ti2v-5b", {"fsdp": -1, "context": 4}, tpu, buckets)).ok
+    unpacked = {"buckets": buckets, "scheduler": "equal-tokens"}
+    result = validate_trainingjob(
+        _sequence_job("wan2.2-ti2v-5b", {"fsdp": -1, "context": 4}, tpu, buckets, adaptiveLoad=unpacked)
+    )
+    assert [e.path for e in result.errors] == ["spec.adaptiveLoad.buckets[1]"]
+
+
+def test_a_context_degree_that_does_not_divide_the_heads_is_refused() -> None:
+    cpu = {"cpu": {"nodes": 4}, "backend": "torch"}
+    result = validate_trainingjob(
+        _sequence_job("tiny", {"fsdp": 1, "context": 4}, cpu, [{"frames": 1, "height": 64, "width": 64}])
+    )
+    [error] = result.errors
+    assert error.path == "spec.parallelism.context"
+    assert "the 2 attention heads of tiny" in error.message and "use one of 2" in error.message

@@ -18,6 +18,7 @@ from wanloom_operator.settings import OperatorSettings
 EnvVar = dict[str, Any]
 GIB_NCCL_ENV_SCRIPT = f"{keys.GIB_DIR}/scripts/set_nccl_env.sh"  # shipped with the plugin: NCCL_NET=gIB and its tuning
 GIB_GPU_TYPES = ("h200", "b200")  # A3 Ultra and A4: RDMA NICs; A3 High (h100) is GPUDirect-TCPX, not set up here
+SHUTDOWN_MARGIN_S = 15  # inside terminationGracePeriodSeconds: the launcher's last kill and exit
 
 
 def contract_env(
@@ -28,7 +29,7 @@ def contract_env(
     if shape.accelerator == "tpu":
         env += _tpu_env(shape, names, settings)
     elif shape.backend == "torch":
-        env += _torch_env(shape, names)
+        env += _torch_env(shape, names, settings)
     else:
         env += _jax_process_env(shape, names)
     if shape.accelerator == "gpu":
@@ -76,9 +77,17 @@ def _tpu_env(shape: PodShape, names: Names, settings: OperatorSettings) -> list[
     return env
 
 
-def _torch_env(shape: PodShape, names: Names) -> list[EnvVar]:
-    """torchrun's static rendezvous: the master is pod 0; the node rank is the completion index."""
+def shutdown_seconds(termination_grace_seconds: int) -> int:
+    """How long the torch launcher waits for checkpointing workers after SIGTERM: the pod's grace less a margin in
+    which it kills what is left and exits with the workers' status before the kubelet's SIGKILL."""
+    return max(1, termination_grace_seconds - SHUTDOWN_MARGIN_S)
+
+
+def _torch_env(shape: PodShape, names: Names, settings: OperatorSettings) -> list[EnvVar]:
+    """The launcher's static rendezvous (torchrun's names): the master is pod 0; the node rank is the completion
+    index; and how long it lets the workers checkpoint after SIGTERM."""
     return [
+        _value(keys.ENV_SHUTDOWN_SECONDS, str(shutdown_seconds(settings.termination_grace_seconds))),
         _value("MASTER_ADDR", names.pod_fqdn()),
         _value("MASTER_PORT", str(keys.TORCH_MASTER_PORT)),
         _value("NNODES", str(shape.pods_per_job)),

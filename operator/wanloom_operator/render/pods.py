@@ -1,7 +1,8 @@
 """What one trainer pod looks like on each accelerator: counts, placement, device requests, command.
 
 TPU v7x follows xpk's slice JobSet (one replicated job, replicas = slices, one pod per 4-chip VM, host networking);
-GPU nodes follow the torchrun convention (one pod per node, all its GPUs); CPU pods are for smoke tests (kind).
+GPU nodes run one pod per node with all its GPUs, whose launcher starts a worker per GPU (torchrun's variables);
+CPU pods are for smoke tests (kind).
 """
 
 from __future__ import annotations
@@ -143,26 +144,18 @@ def trainer_image(spec: TrainingJobSpec, settings: OperatorSettings) -> str:
 
 
 def trainer_command(shape: PodShape, nccl_env_script: str | None = None) -> tuple[list[str], list[str]]:
-    """(command, args): torchrun for torch (Kubernetes expands ``$(VAR)`` from the env, no shell needed).
+    """(command, args): the trainer module for jax, the torch launcher for torch (one worker per device; it keeps
+    preemption: SIGTERM is forwarded and waited for within the grace, and the pod exits with the workers' status).
 
-    ``nccl_env_script``: a shell script whose exported settings torchrun must start with (GKE's gIB plugin ships
-    its tuned NCCL settings that way, on the host); the shell gets the script as $0 and torchrun's args as $@.
+    ``nccl_env_script``: a shell script whose exported settings the workers must start with (GKE's gIB plugin ships
+    its tuned NCCL settings that way, on the host); the shell gets the script as $0 and execs the launcher.
     """
     if shape.backend == "jax":
         return ["python", "-m", "wanloom_trainer"], []
-    torchrun = [
-        "--nnodes=$(NNODES)",
-        "--nproc-per-node=$(NPROC_PER_NODE)",
-        "--node-rank=$(NODE_RANK)",
-        "--rdzv-backend=static",
-        "--master-addr=$(MASTER_ADDR)",
-        "--master-port=$(MASTER_PORT)",
-        "-m",
-        "wanloom_trainer",
-    ]
+    launcher = ["python", "-m", "wanloom_trainer.launcher"]
     if nccl_env_script:
-        return ["bash", "-c", 'source "$0" && exec torchrun "$@"'], [nccl_env_script, *torchrun]
-    return ["torchrun"], torchrun
+        return ["bash", "-c", f'source "$0" && exec {" ".join(launcher)}'], [nccl_env_script]
+    return launcher, []
 
 
 def dns_policy(shape: PodShape, settings: OperatorSettings) -> str:

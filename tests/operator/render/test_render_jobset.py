@@ -180,7 +180,7 @@ def test_tpu_single_slice_has_no_megascale(make_job: Callable[..., TrainingJob],
     assert not any(name.startswith("MEGASCALE_") for name in env)
 
 
-def test_gpu_torchrun(make_job: Callable[..., TrainingJob], settings: OperatorSettings) -> None:
+def test_gpu_pods_run_the_launcher(make_job: Callable[..., TrainingJob], settings: OperatorSettings) -> None:
     job = make_job({"gpu": {"type": "h100", "nodes": 4}}, name="g")
     js = render_trainingjob(job, settings).jobset
     container, env = trainer_container(js), {v["name"]: v for v in trainer_container(js)["env"]}
@@ -191,10 +191,10 @@ def test_gpu_torchrun(make_job: Callable[..., TrainingJob], settings: OperatorSe
     assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"].endswith(f"['{keys.JOB_COMPLETION_INDEX}']")
     assert env[keys.ENV_NUM_SLICES] == {"name": keys.ENV_NUM_SLICES, "value": "1"}
     assert env["NCCL_DEBUG"]["value"] == "WARN" and "NCCL_NET" not in env
-    assert container["command"] == ["torchrun"]
-    assert "--master-addr=$(MASTER_ADDR)" in container["args"] and container["args"][-2:] == ["-m", "wanloom_trainer"]
-    # Every $(VAR) the args use is defined in the container's env.
-    assert {a.split("$(")[1].rstrip(")") for a in container["args"] if "$(" in a} <= set(env)
+    assert container["command"] == ["python", "-m", "wanloom_trainer.launcher"] and container.get("args", []) == []
+    # The launcher lets the workers checkpoint for the pod's grace less a margin, then reports their status.
+    grace = pod_spec(js)["terminationGracePeriodSeconds"]
+    assert env[keys.ENV_SHUTDOWN_SECONDS]["value"] == str(grace - 15)
 
 
 def test_gpu_label_key_and_gib_profile_come_from_settings(make_job: Callable[..., TrainingJob]) -> None:
@@ -210,10 +210,9 @@ def test_gpu_label_key_and_gib_profile_come_from_settings(make_job: Callable[...
     assert pod_spec(js)["nodeSelector"] == {"nvidia.com/gpu.product": "nvidia-h200-141gb"}
     assert env["NCCL_NET"]["value"] == "gIB"
     assert {"name": "gib", "mountPath": "/usr/local/gib"} in container["volumeMounts"]
-    # The plugin's own NCCL settings are sourced before torchrun starts; the torchrun args are unchanged.
-    assert container["command"] == ["bash", "-c", 'source "$0" && exec torchrun "$@"']
-    assert container["args"][0] == "/usr/local/gib/scripts/set_nccl_env.sh"
-    assert "--nnodes=$(NNODES)" in container["args"]
+    # The plugin's own NCCL settings are sourced before the launcher (and so every worker) starts.
+    assert container["command"] == ["bash", "-c", 'source "$0" && exec python -m wanloom_trainer.launcher']
+    assert container["args"] == ["/usr/local/gib/scripts/set_nccl_env.sh"]
     annotations = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["networking.gke.io/default-interface"] == "eth0"
     attached = json.loads(annotations["networking.gke.io/interfaces"])
@@ -277,20 +276,19 @@ def test_validators_reject_broken_jobsets(
         check_jobset(jobset)
 
 
-def test_the_gib_command_sources_the_script_then_runs_torchrun(
+def test_the_gib_command_sources_the_script_then_runs_the_launcher(
     tmp_path: Path, make_job: Callable[..., TrainingJob]
 ) -> None:
-    """The rendered command run by a real shell: the script's exports reach torchrun, and its args arrive intact."""
+    """The rendered command run by a real shell: the script's exports reach the launcher, started as rendered."""
     import subprocess
 
     settings = OperatorSettings.from_env({"WANLOOM_GPU_NCCL_PROFILE": "gib", "WANLOOM_GPU_NETWORK_INTERFACES": "r0"})
     container = trainer_container(render_trainingjob(make_job({"gpu": {"type": "b200", "nodes": 2}}), settings).jobset)
     script = tmp_path / "set_nccl_env.sh"
     script.write_text("export NCCL_TUNED='from the plugin'\n")
-    torchrun = tmp_path / "torchrun"
-    torchrun.write_text('#!/bin/sh\nprintf "%s\\n" "$NCCL_TUNED" "$@"\n')
-    torchrun.chmod(0o755)
-    args = [str(script), *container["args"][1:]]
-    out = subprocess.run([*container["command"], *args], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\nprintf "%s\\n" "$NCCL_TUNED" "$@"\n')
+    python.chmod(0o755)
+    out = subprocess.run([*container["command"], str(script)], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)  # fmt: skip
-    assert out.stdout.splitlines() == ["from the plugin", *container["args"][1:]]
+    assert out.stdout.splitlines() == ["from the plugin", "-m", "wanloom_trainer.launcher"]

@@ -1,7 +1,12 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.buckets import BucketTable, derive_buckets
+from wanloom_trainer.adaptiveload.buckets import (
+    BucketTable,
+    cut_to_token_multiple,
+    derive_buckets,
+    require_token_multiple,
+)
 from wanloom_trainer.config.variants import get_variant
 
 A14B = get_variant("wan2.2-t2v-a14b")
@@ -65,3 +70,19 @@ def test_derive_never_upscales_or_adds_frames():
 def test_derive_rejects_bad_limit():
     with pytest.raises(ValueError, match="max_buckets"):
         derive_buckets(np.array([[1, 2, 2]]), max_buckets=0)
+
+
+def test_cut_to_token_multiple_keeps_the_largest_divisible_crop():
+    ti2v = get_variant("wan2.2-ti2v-5b")
+    table = BucketTable.from_pixels(ti2v, [(1, 480, 832), (121, 704, 1280)])  # 390 and 31 x 880 tokens
+    cut = cut_to_token_multiple(table, ti2v, 4)
+    assert (cut.tokens(ti2v) % 4 == 0).all()
+    # 1x480x832 (latent 1x30x52) becomes 1x28x52 (14 x 26 = 364 tokens); the clip is already divisible.
+    assert sorted(map(tuple, cut.latent_shapes.tolist())) == [(1, 28, 52), (31, 44, 80)]
+    assert cut_to_token_multiple(table, ti2v, 1) is table
+
+
+def test_require_token_multiple_names_the_field():
+    with pytest.raises(ValueError, match=r"spec\.adaptiveLoad\.buckets: the latent bucket \(1, 30, 52\) is 390"):
+        require_token_multiple(BucketTable.from_pixels(get_variant("wan2.2-ti2v-5b"), [(1, 480, 832)]),
+                               get_variant("wan2.2-ti2v-5b"), 4)  # fmt: skip

@@ -82,6 +82,20 @@ def test_configured_buckets_are_used(index, flop_cost, router):
     assert shapes <= {tuple(s) for s in table.latent_shapes.tolist()}
 
 
+@pytest.mark.parametrize(("policy", "layout"), [("balanced", "per-rank"), ("equal-tokens", "spmd")])
+def test_sequence_split_samples_get_buckets_it_divides(index, flop_cost, router, policy, layout):
+    """Micro-batches of whole samples split over 7 ranks: derived buckets are cut to a multiple of 7 tokens (the
+    index's images and 9-frame clips are not), micro-batches use them, and configured buckets are never cut."""
+    cfg = PlanConfig(4, policy, layout, global_batch=32, memory_budget_tokens=M_MEM, sequence_multiple=7)
+    planner = Planner(index, A14B, cfg, flop_cost, router)
+    assert (planner.buckets.tokens(A14B) % 7 == 0).all()
+    shapes = {mb.latent_shape for r in planner.plan(0).ranks for mb in r.micro_batches}
+    assert shapes <= {tuple(s) for s in planner.buckets.latent_shapes.tolist()}
+    table = BucketTable.from_pixels(A14B, [(81, 480, 832), (1, 480, 832)])
+    with pytest.raises(ValueError, match=r"spec\.adaptiveLoad\.buckets: .* which context x tensor = 7"):
+        Planner(index, A14B, cfg, flop_cost, router, table)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="globalBatch"):
         PlanConfig(4, "balanced")

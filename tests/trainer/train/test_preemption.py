@@ -33,8 +33,9 @@ def _records(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-def _wanloom(job: Path, tmp_path: Path, steps: int) -> subprocess.Popen:
-    args = ["run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path)]
+def _wanloom(job: Path, tmp_path: Path, steps: int, *more: str) -> subprocess.Popen:
+    args = ["run", str(job), "--steps", str(steps), "--metrics-port", "0", "--no-progress", "--run-dir", str(tmp_path),
+            *more]  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-c", CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=tmp_path,
@@ -69,6 +70,31 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes_there(tmp_path
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     assert f"steps {last + 1}..{last + 2}" in out, out
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_torch_run_checkpoints_through_the_launchers(tmp_path: Path) -> None:
+    """`wanloom run --processes 2` starts each pod's launcher, as a GPU pod does: SIGTERM to wanloom reaches both
+    workers once, they checkpoint the same step and exit 143, and nothing is left running."""
+    import psutil
+
+    job = _job(tmp_path, "tiny-local-torch")
+    proc = _wanloom(job, tmp_path, 100_000, "--processes", "2")
+    _wait_for_steps(proc, tmp_path / "steps.jsonl", 3)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    commands = [" ".join(p.cmdline()) for p in family]
+    assert sum("wanloom_trainer.launcher" in c for c in commands) == 2, commands
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.monotonic() - sent < 60
+    last = _records(tmp_path / "steps.jsonl")[-1]["step"]
+    assert f"steps 0..{last}: loss" in out, out
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step_{last + 1:08d}"]
+    for i in (0, 1):  # each worker got the signal itself, through its launcher
+        assert f"stopped by SIGTERM before step {last + 1}" in (tmp_path / "logs" / f"process-{i}.log").read_text()
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _wait_for_steps(proc: subprocess.Popen, log: Path, n: int) -> int:

@@ -11,6 +11,8 @@ A sample with fewer frames than every bucket has no bucket and is an error namin
 
 ``derive_buckets`` builds a table from a dataset's shapes when none is configured: the distinct shapes, with the
 rarest merged into a smaller bucket (never an upscale or extra frames) until at most ``max_buckets`` remain.
+Where a micro-batch holds whole samples whose sequence is split over ``context`` × ``tensor`` ranks, every bucket's
+token count must be a multiple of that degree: ``cut_to_token_multiple`` crops derived buckets to such shapes.
 """
 
 from __future__ import annotations
@@ -119,3 +121,43 @@ def _merge_target(unique: np.ndarray, keep: np.ndarray, i: int) -> int:
     same_kind = (t == 1) == (tb == 1)  # a clip never becomes an image
     fits = tb <= t and unique[target, 1] * unique[target, 2] <= unique[i, 1] * unique[i, 2]
     return int(target) if fits and same_kind else -1
+
+
+def cut_to_token_multiple(table: BucketTable, variant: WanVariant, multiple: int) -> BucketTable:
+    """Each bucket cropped to the largest (T', H'_b ≤ H', W'_b ≤ W'), in whole patches, whose token count
+    ``multiple`` divides (ties: the closer aspect ratio); buckets it already divides are unchanged."""
+    if multiple <= 1:
+        return table
+    _, ph, pw = variant.patch_size
+    cut = []
+    for shape in table.latent_shapes.tolist():
+        t, h, w = shape
+        best = None
+        for hb in range(h, max(ph, h - multiple * ph) - 1, -ph):
+            for wb in range(w, max(pw, w - multiple * pw) - 1, -pw):
+                tokens = int(tokens_for_latents(variant, np.asarray([t, hb, wb]))[0])
+                if tokens % multiple:
+                    continue
+                key = (tokens, -abs(np.log(hb / wb) - np.log(h / w)))
+                if best is None or key > best[0]:
+                    best = (key, (t, hb, wb))
+        if best is None:
+            raise ValueError(
+                f"no crop of the latent bucket {tuple(shape)} has a token count that {multiple} (context x tensor) "
+                "divides; configure spec.adaptiveLoad.buckets"
+            )
+        cut.append(best[1])
+    return BucketTable(np.asarray(cut))
+
+
+def require_token_multiple(table: BucketTable, variant: WanVariant, multiple: int) -> None:
+    """Configured buckets are used as given: one whose token count ``multiple`` does not divide is refused (``wanloom
+    validate`` reports the same, with the bucket's index)."""
+    tokens = table.tokens(variant)
+    bad = np.flatnonzero(tokens % multiple)
+    if len(bad):
+        shape = tuple(table.latent_shapes[bad[0]].tolist())
+        raise ValueError(
+            f"spec.adaptiveLoad.buckets: the latent bucket {shape} is {int(tokens[bad[0]]):,} tokens per sample, "
+            f"which context x tensor = {multiple} does not divide; choose bucket sizes whose token count it divides"
+        )

@@ -38,7 +38,12 @@ from wanloom_trainer.adaptiveload.batch_size import (
     equal_token_batch_sizes,
     paper_batch_sizes,
 )
-from wanloom_trainer.adaptiveload.buckets import BucketTable, derive_buckets
+from wanloom_trainer.adaptiveload.buckets import (
+    BucketTable,
+    cut_to_token_multiple,
+    derive_buckets,
+    require_token_multiple,
+)
 from wanloom_trainer.adaptiveload.cost_model import CostModel, effective_exponent
 from wanloom_trainer.adaptiveload.layout import (
     Assignment,
@@ -90,7 +95,8 @@ class PlanConfig:
             accumulation without sync until the last micro-batch: the step takes max_rank Σ_slots; "balanced"
             balances per-rank totals, see ``balance``).
         repair_iters: local-search iterations after LPT (sync "step").
-        sequence_multiple: packed rows are multiples of this many tokens (context × tensor: the sequence sharding).
+        sequence_multiple: context × tensor, the ranks a sequence is split over: packed rows are multiples of this
+            many tokens, and where micro-batches hold whole samples so is every bucket's token count.
         window_samples_per_rank: "balanced" plans this many samples per rank at once, at most an epoch (module
             docstring); 0: every step alone.
         max_segments: segment slots a packed row may have (the AdaLN kernel's VMEM budget).
@@ -160,7 +166,12 @@ class Planner:
     ) -> None:
         self.index, self.variant, self.config, self.router = index, variant, config, router
         check_batch(config, len(index))
-        self.buckets = buckets if buckets is not None else derive_buckets(index.latent_shapes)
+        # Packed rows are padded to the sequence multiple; whole samples must be cut to it (buckets.py).
+        multiple = 1 if (config.layout == "spmd" and config.policy == "balanced") else config.sequence_multiple
+        if buckets is None:
+            buckets = cut_to_token_multiple(derive_buckets(index.latent_shapes), variant, multiple)
+        require_token_multiple(buckets, variant, multiple)
+        self.buckets = buckets
         self.bucket_of = self.buckets.assign(index.latent_shapes)
         # Only buckets that hold samples can break the memory budget or set the paper rule's defaults.
         self._present = np.unique(self.bucket_of)

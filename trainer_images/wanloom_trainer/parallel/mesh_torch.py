@@ -8,9 +8,9 @@ their parameter gradients are partial sums over tokens that the reduce-scatter a
 
 Tensor parallelism is not offered: diffusers 0.42 has no tensor-parallel plan for ``WanTransformer3DModel``.
 Context parallelism uses diffusers' ``enable_parallelism`` with Wan's ``_cp_plan`` (Ulysses all-to-all over the
-native SDPA backend); diffusers places its attention on an accelerator, so it needs CUDA devices (it is therefore
-not exercised by the CPU test suite). The context degree must divide the head count and every micro-batch's token
-count (T'·H'·W' / 4).
+native SDPA backend): NCCL on GPUs, gloo on CPUs (the multi-process tests compare it with the unsharded step). The
+context degree must divide the head count and every micro-batch's token count (T'·H'·W' / 4); the planner refuses
+buckets it does not divide (``adaptiveload.planner``).
 
 Gradients are *summed* over data-parallel ranks (divide factor 1): ``adaptiveload.plan`` weights every sample by
 ``1 / num_samples`` of the whole step, so the sum is the gradient of the global mean whatever the per-rank batches.
@@ -18,7 +18,8 @@ Gradients are *summed* over data-parallel ranks (divide factor 1): ``adaptiveloa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -80,18 +81,13 @@ def build_torch_mesh(parallel: ParallelConfig, world_size: int, device_type: str
     """The meshes over all ranks of the initialised process group.
 
     Raises:
-        ValueError: tensor parallelism requested, context parallelism on CPU, or degrees whose product differs
-            from the world size (the message prints both).
+        ValueError: tensor parallelism requested, or degrees whose product differs from the world size (the
+            message prints both).
     """
     if parallel.tensor != 1:
         raise ValueError(
             f"spec.parallelism.tensor={parallel.tensor}: the torch backend has no tensor parallelism (diffusers 0.42 "
             "has no tensor-parallel plan for WanTransformer3DModel); use fsdp/context, or backend jax"
-        )
-    if parallel.context > 1 and device_type != "cuda":
-        raise ValueError(
-            f"spec.parallelism.context={parallel.context}: diffusers context parallelism runs attention on an "
-            f"accelerator; this process has {device_type} devices only"
         )
     if parallel.num_devices != world_size:
         hint = "; the torch backend runs one process per device (resources.cpu.devicesPerNode: 1)"
@@ -173,7 +169,24 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     degree = mesh["ulysses"].size()
     if heads % degree:
         raise ValueError(f"spec.parallelism.context={degree} must divide the model's {heads} attention heads")
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"]))
+    with _accelerator_count_at_least_one():
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"]))
+
+
+@contextlib.contextmanager
+def _accelerator_count_at_least_one() -> Iterator[None]:
+    """diffusers 0.42 records a device as ``rank % torch.accelerator.device_count()``, which divides by zero on a
+    CPU-only host (gloo). The recorded device is never read again (the mesh we pass decides where tensors live), so
+    on such a host the count reads 1 for the duration of ``enable_parallelism``."""
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
 
 
 def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_precision: MixedPrecision) -> nn.Module:

@@ -1,11 +1,14 @@
 """``wanloom run``: a TrainingJob on this machine, in one process or in N processes wired exactly like pods.
 
-With ``processes > 1`` every process is ``python -m wanloom_trainer`` with the environment the operator gives a
-pod (docs/startup-contract.md): the TrainingJob file in ``WANLOOM_CONFIG``, process 0's address in
-``WANLOOM_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port here), one slice of N hosts, host index i, and the
-CPU platform with ``devicesPerNode`` host devices each. Every process logs to ``<run_dir>/logs/process-<i>.log``;
+With ``processes > 1`` every process runs the pod's command (``python -m wanloom_trainer``; for torch the launcher,
+``python -m wanloom_trainer.launcher``, which starts the worker) with the environment the operator gives a pod
+(docs/startup-contract.md): the TrainingJob file in ``WANLOOM_CONFIG``, process 0's address in
+``WANLOOM_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port here; for torch also ``MASTER_ADDR``/``MASTER_PORT``
+with ``NNODES`` = N, ``NODE_RANK`` = i, one process per node), one slice of N hosts, host index i, and the CPU
+platform with ``devicesPerNode`` host devices each. Every process logs to ``<run_dir>/logs/process-<i>.log``;
 process 0's lines also reach the terminal, as a one-process run prints them (no timestamps, no Gloo connection
-chatter). If one process fails, the rest are stopped.
+chatter). The processes are supervised as the launcher supervises its workers (``launcher.Supervisor``): SIGTERM
+or Ctrl-C is forwarded once to each (they checkpoint and stop), and if one process fails, the rest are stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
@@ -101,7 +103,7 @@ def pod_env(
 ) -> dict[str, str]:
     """The WANLOOM_* variables (and JAX CPU platform) the operator would render for host ``host_index``."""
     devices = job.spec.resources.cpu.devices_per_node if job.spec.resources.cpu else 1
-    return {
+    env = {
         keys.ENV_CONFIG: config_path,
         keys.ENV_JOB_NAME: job.metadata.name,
         keys.ENV_METRICS_PORT: str(metrics_port),
@@ -115,6 +117,16 @@ def pod_env(
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
     }
+    if job.spec.resources.resolved_backend == "torch":  # the launcher's static rendezvous, one worker per pod
+        host, port = coordinator.rsplit(":", 1)
+        env.update(NNODES=str(hosts), NPROC_PER_NODE="1", NODE_RANK=str(host_index), MASTER_ADDR=host, MASTER_PORT=port)
+    return env
+
+
+def pod_command(job: TrainingJob) -> list[str]:
+    """What a pod of the job runs: the torch launcher (one worker per device) or the trainer itself."""
+    module = "wanloom_trainer.launcher" if job.spec.resources.resolved_backend == "torch" else "wanloom_trainer"
+    return [sys.executable, "-m", module]
 
 
 def free_port() -> int:
@@ -166,12 +178,14 @@ def read_result(run_dir: str) -> object:
 
 
 def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_port: int) -> int:
-    """N pod-like processes; returns the first non-zero exit status (0 if all succeed)."""
+    """N pod-like processes, supervised (module docstring); their combined exit status (``launcher.exit_code``)."""
+    from wanloom_trainer.launcher import DEFAULT_SHUTDOWN_S, Supervisor
+
     Path(run_dir, "logs").mkdir(parents=True, exist_ok=True)
     config_path = os.path.join(run_dir, keys.CONFIG_FILE_NAME)
     Path(config_path).write_text(yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True)))
     coordinator = f"127.0.0.1:{free_port()}"
-    procs, logs = [], []
+    supervisor, logs, echo = Supervisor(DEFAULT_SHUTDOWN_S), [], None
     try:
         for i in range(processes):
             env = local_env(run_dir)
@@ -190,16 +204,16 @@ def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_por
             out = open(os.path.join(run_dir, "logs", f"process-{i}.log"), "w")  # noqa: SIM115 (closed below)
             logs.append(out)
             stdout = subprocess.PIPE if i == 0 else out
-            command = [sys.executable, "-m", "wanloom_trainer"]
-            procs.append(subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True))
+            child = supervisor.start(pod_command(job), env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
             if i == 0:
-                echo = threading.Thread(target=_echo, args=(procs[0].stdout, out), daemon=True)
+                echo = threading.Thread(target=_echo, args=(child.stdout, out), daemon=True)
                 echo.start()
-        code = _wait_all(procs)
-        echo.join(timeout=5)
+        code = supervisor.wait()
+        if echo is not None:
+            echo.join(timeout=5)
         return code
     finally:
-        for p in procs:
+        for p in supervisor.children:
             if p.poll() is None:
                 p.kill()
         for f in logs:
@@ -214,19 +228,3 @@ def _echo(stream: IO[str], log_file: IO[str]) -> None:
         if not _NOISE.match(line):
             sys.stdout.write(_LOG_PREFIX.sub("", line))
             sys.stdout.flush()
-
-
-def _wait_all(procs: list[subprocess.Popen]) -> int:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                p.wait()
-            return failed[0]
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.2)
