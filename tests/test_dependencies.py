@@ -33,6 +33,7 @@ PART_OF = {"pydantic_core": "pydantic"}
 RUNTIME_ONLY = {
     "libtpu": "jax loads it to compile and run on TPU",
     "accelerate": "diffusers' from_pretrained needs it to load weights into an empty model",
+    "gcsfs": "orbax writes and reads gs:// checkpoints through etils.epath, which opens them with fsspec's gcsfs",
 }
 
 
