@@ -126,14 +126,15 @@ class Prometheus:
 
 
 def _write_job(workdir: Path, name: str) -> Path:
-    """jobs/tiny-local.yaml with its paths in `workdir`, frequent checkpoints and cost refits, and room for the
-    skipped samples."""
+    """jobs/tiny-local.yaml with its paths in `workdir`, frequent checkpoints, cost refits and validations (every
+    contract metric then has data), and room for the skipped samples."""
     job = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
     job["metadata"]["name"] = name
     job["spec"]["data"]["uri"] = str(workdir / "data")
     job["spec"]["data"]["maxBadSamples"] = 1_000_000
     job["spec"]["training"]["checkpoint"].update(uri=str(workdir / "checkpoints"), interval=20, keep=1)
     job["spec"]["adaptiveLoad"]["refitEverySteps"] = 5  # the cost-model panel has data within the first steps
+    job["spec"]["validation"] = {"everySteps": 5, "samples": 4}  # the validation-loss panel, likewise
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -203,12 +204,13 @@ class OperatorExporter:
         self._thread.start()
 
     def _reconcile(self) -> None:  # rate() needs the handler counters to move
-        started = time.monotonic()
         while not self._stop.wait(0.5):
             with self.metrics.handler("progress"):
                 pass
-            if time.monotonic() - started > 3:  # four preemptions later: the chart's restart alert must fire
-                self.metrics.observe_job(NAMESPACE, self.trainingjob, {"phase": "Running", "restarts": 5})
+
+    def restarted(self, restarts: int) -> None:
+        """The JobSet restarted: the status the operator mirrors now counts ``restarts``."""
+        self.metrics.observe_job(NAMESPACE, self.trainingjob, {"phase": "Running", "restarts": restarts})
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,7 +220,7 @@ class OperatorExporter:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, LocalRun, str]]:
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, LocalRun, str, OperatorExporter]]:
     if PROMETHEUS is None:
         why = "the prometheus binary is not installed (apt-get install -y --no-install-recommends prometheus)"
         if os.environ.get("WANLOOM_REQUIRE_E2E"):  # CI sets it: there a missing Prometheus is a failure
@@ -244,7 +246,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
             },
             _chart_alert_rules(),
         )
-        yield prom, run, trainingjob
+        yield prom, run, trainingjob, operator
     finally:
         if prom is not None:
             prom.stop()
@@ -336,8 +338,8 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 
 
 @pytest.mark.slow
-def test_local_run_feeds_the_contract_and_every_dashboard_query(scraped: tuple[Prometheus, LocalRun, str]) -> None:
-    prom, run, trainingjob = scraped
+def test_local_run_feeds_the_contract_and_every_dashboard_query(scraped: tuple[Any, ...]) -> None:
+    prom, run, trainingjob, _ = scraped
     at = _wait_until_training_is_steady(prom, run, timeout=600)
     series = _trainer_series(prom)
     outside = {n for n in series if n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
@@ -362,24 +364,27 @@ def test_local_run_feeds_the_contract_and_every_dashboard_query(scraped: tuple[P
 
 
 @pytest.mark.slow
-def test_skipped_samples_are_counted(scraped: tuple[Prometheus, LocalRun, str]) -> None:
-    prom, run, trainingjob = scraped
+def test_skipped_samples_are_counted(scraped: tuple[Any, ...]) -> None:
+    prom, run, trainingjob, _ = scraped
     _wait_until_training_is_steady(prom, run, timeout=600)
     _wait_for_skips(prom, run, trainingjob, timeout=30)
 
 
 @pytest.mark.slow
-def test_dashboard_variables_resolve(scraped: tuple[Prometheus, LocalRun, str]) -> None:
-    prom, run, trainingjob = scraped
+def test_dashboard_variables_resolve(scraped: tuple[Any, ...]) -> None:
+    prom, run, trainingjob, _ = scraped
     _wait_for(lambda: prom.query("wanloom_step") or run.check_alive(), 600, "wanloom_step")
     assert NAMESPACE in prom.label_values("namespace", "wanloom_step")
     assert trainingjob in prom.label_values("trainingjob", f'wanloom_step{{namespace=~"{NAMESPACE}"}}')
 
 
 @pytest.mark.slow
-def test_the_charts_alerts_evaluate_and_the_restart_alert_fires(scraped: tuple[Prometheus, LocalRun, str]) -> None:
-    prom, run, trainingjob = scraped
+def test_the_charts_alerts_evaluate_and_the_restart_alert_fires(scraped: tuple[Any, ...]) -> None:
+    prom, run, trainingjob, operator = scraped
     _wait_until_training_is_steady(prom, run, timeout=600)
+    restarts = f'wanloom_operator_job_restarts{{trainingjob="{trainingjob}"}} == 1'
+    _wait_for(lambda: prom.query(restarts), 30, "one restart scraped")
+    operator.restarted(5)  # four preemptions within the hour: above the chart's restartsPerHour (3)
     expected = {r["alert"] for g in _chart_alert_rules()["groups"] for r in g["rules"]}
 
     def rules() -> dict[str, Any]:

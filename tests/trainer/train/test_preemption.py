@@ -184,6 +184,7 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
 
     from wanloom_trainer.train.plan_ahead import CostSchedule
     from wanloom_trainer.train.run import RunResult, _Loop
+    from wanloom_trainer.train.schedule import Segment
 
     loop = _Loop.__new__(_Loop)  # only the checkpoint bookkeeping: no model, no data
     loop.config = SimpleNamespace(seed=0, model=SimpleNamespace(variant="tiny"), job_name="t",
@@ -191,6 +192,7 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
     loop.backend, loop.reporter, loop.result = _AsyncSaves(), _Reports(), RunResult(0, 0)
     loop.data, loop.pending = None, None
     loop.schedule = CostSchedule(None, start=0, lag=None)
+    loop.lr_segment = Segment(100)
     loop.save(state=None, next_step=50)
     assert loop.reporter.checkpoints == [] and loop.result.checkpoints == []  # still being written
     loop._report_commit(wait=False)
