@@ -4,7 +4,10 @@
 #   1. the kernel correctness tests, compiled (TRITON_INTERPRET unset), against the eager reference;
 #   2. the bandwidth benchmark (B = 2, per-sample and per-token, bytes the kernels really move, the HBM peak of the
 #      exact device name) against eager PyTorch, torch.compile and Liger-Kernel's LayerNorm where it is installed;
-#   3. a short training step of a small Wan (diffusers) with fused vs reference AdaLN.
+#   3. a short training step of a small Wan (diffusers) with fused vs reference AdaLN;
+#   4. the trainer itself (TorchBackend through the launcher: FSDP2, fused AdaLN, torch.compile of the blocks, flash
+#      attention; context 2 when two GPUs are there) on a 4-layer TI2V-5B / A14B: step time, MFU and peak memory
+#      beside `wanloom compile`'s estimate of the same job (benchmarks/gpu_train_step.py).
 # Prints one report; nothing is written outside $OUT (default: a temporary folder).
 #
 # Machines without network (the device machines): prepare the missing wheels here once, then carry .whl/:
@@ -56,4 +59,14 @@ timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/k
 echo "== 2./3. bandwidth and training step"
 timeout 270 "$PY" benchmarks/adaln_kernels.py --gpu-only --train-step --dims 5120 3072 \
   --tokens 16384 65536 75600 --batch 2 2>&1 | tee "$OUT/benchmark.md"
+echo "== 4. the trainer's step beside wanloom compile's estimate"
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+step() { timeout 240 "$PY" benchmarks/gpu_train_step.py --json "$@" 2>&1 | tail -n 3 | tee -a "$OUT/train_step.jsonl" || true; }
+step --variant wan2.2-ti2v-5b --layers 4 --shape 33x480x832 --adaln fused --compile
+step --variant wan2.2-t2v-a14b --layers 2 --shape 81x480x832 --adaln fused
+if ((gpus >= 2)); then
+  step --variant wan2.2-t2v-a14b --layers 2 --shape 81x480x832 --adaln fused --gpus 2 --context 2
+else
+  echo "(one GPU: context parallelism needs two; skipped)"
+fi
 echo "== report in $OUT"

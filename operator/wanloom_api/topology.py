@@ -34,21 +34,24 @@ class AcceleratorType:
 
 # The one table of accelerator facts: the API's types, the operator's node selectors and pod sizes, the trainer's
 # MFU peaks and the compile check's HBM all read it. TPU7x: 4-chip VM, 224 vCPU, 960 GB, 192 GiB HBM and 4,614
-# TFLOP/s FP8 per chip, half that in bf16 (cloud.google.com/tpu/docs/tpu7x); GPU: the 8-GPU A3/A4 shapes.
+# TFLOP/s FP8 per chip, half that in bf16 (cloud.google.com/tpu/docs/tpu7x); GPU: the 8-GPU A3/A4 shapes, and the
+# memory the driver reports per GPU (nvidia-smi's total: 81,559 MiB H100 80GB, 143,771 MiB H200, 183,359 MiB B200).
 ACCELERATOR_TYPES = {
     "tpu7x": AcceleratorType(
         "tpu", "tpu7x", Machine("tpu7x-standard-4t", 224, 960, 4), 2307e12,
         "TPU v7x (Ironwood), per chip (2 TensorCores)", devices_per_chip=2, hbm_bytes=192 * 2**30,
     ),
     "h100": AcceleratorType(
-        "gpu", "nvidia-h100-80gb", Machine("a3-highgpu-8g", 208, 1872, 8), 989e12, "NVIDIA H100 SXM, dense bf16"
+        "gpu", "nvidia-h100-80gb", Machine("a3-highgpu-8g", 208, 1872, 8), 989e12, "NVIDIA H100 SXM, dense bf16",
+        hbm_bytes=81_559 * 2**20,
     ),
     "h200": AcceleratorType(
         "gpu", "nvidia-h200-141gb", Machine("a3-ultragpu-8g", 224, 2952, 8), 989e12,
-        "NVIDIA H200 SXM, dense bf16 (same SM array as H100)",
+        "NVIDIA H200 SXM, dense bf16 (same SM array as H100)", hbm_bytes=143_771 * 2**20,
     ),
     "b200": AcceleratorType(
-        "gpu", "nvidia-b200", Machine("a4-highgpu-8g", 224, 3968, 8), 2250e12, "NVIDIA B200 (HGX), dense bf16"
+        "gpu", "nvidia-b200", Machine("a4-highgpu-8g", 224, 3968, 8), 2250e12, "NVIDIA B200 (HGX), dense bf16",
+        hbm_bytes=183_359 * 2**20,
     ),
 }  # fmt: skip
 GPU_TYPES = tuple(name for name, a in ACCELERATOR_TYPES.items() if a.kind == "gpu")

@@ -333,6 +333,7 @@ EXPORT_EMA_NEEDS_EMA = "export.ema needs optimizer.ema: without it no EMA weight
 SPLASH_NEEDS_TPU = "splash attention needs tpu resources"
 TORCH_ATTENTION = "sdpa and flash attention need the torch backend; use auto or xla for jax"
 XLA_ATTENTION = "xla attention needs the jax backend; use auto, sdpa or flash"
+COMPILE_NEEDS_TORCH = "kernels.compile: blocks is for the torch backend (the jax backend compiles its whole step)"
 # The backend the trainer runs (ResourcesSpec.resolved_backend), in CEL on the spec.
 _BACKEND_CEL = "(has(self.resources.backend) ? self.resources.backend : (has(self.resources.gpu) ? 'torch' : 'jax'))"
 
@@ -408,6 +409,11 @@ class KernelsSpec(_Model):
     )
     attention: Literal["auto", "xla", "splash", "sdpa", "flash"] = Field(
         "auto", description="auto: splash on TPU, sdpa on GPU, xla elsewhere."
+    )
+    compile: Literal["none", "blocks"] = Field(
+        "none",
+        description="torch backend: blocks compiles each transformer block with torch.compile (regional "
+        "compilation: one compile serves every layer, the first step pays for it); the jax backend always compiles.",
     )
 
 
@@ -775,6 +781,7 @@ class TrainingJobSpec(_Model):
             ".kernels.attention",
         ),
         (f"self.kernels.attention != 'xla' || {_BACKEND_CEL} == 'jax'", XLA_ATTENTION, ".kernels.attention"),
+        (f"self.kernels.compile != 'blocks' || {_BACKEND_CEL} == 'torch'", COMPILE_NEEDS_TORCH, ".kernels.compile"),
         (_parallelism_cel()[1], GLOBAL_BATCH_PER_RANK, ".training.globalBatch"),
         (
             "!has(self.data.synthetic) || self.training.globalBatch <= self.data.synthetic.samples - "

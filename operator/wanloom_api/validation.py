@@ -21,6 +21,7 @@ from wanloom_api import keys
 from wanloom_api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_api.trainingjob import (
     BATCH_WITHIN_EPOCH,
+    COMPILE_NEEDS_TORCH,
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
@@ -373,6 +374,8 @@ def _check_kernels(spec: TrainingJobSpec) -> Iterator[FieldError]:
         yield FieldError("spec.kernels.attention", f"{TORCH_ATTENTION} (got {attention} on {backend})")
     if attention == "xla" and backend != "jax":
         yield FieldError("spec.kernels.attention", f"{XLA_ATTENTION} (got the {backend} backend)")
+    if spec.kernels.compile == "blocks" and backend != "torch":
+        yield FieldError("spec.kernels.compile", f"{COMPILE_NEEDS_TORCH} (got the {backend} backend)")
 
 
 def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:

@@ -169,31 +169,35 @@ def _pixel_shape(text: str) -> tuple[int, int, int]:
 
 
 def compile_(
-    file: Annotated[Path, typer.Argument(help="TrainingJob YAML with spec.resources.tpu.")],
+    file: Annotated[Path, typer.Argument(help="TrainingJob YAML with spec.resources.tpu or spec.resources.gpu.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     shape: Annotated[
         list[str] | None, typer.Option(help="Pixel shape FxHxW to compile at (repeatable). Default: the job's buckets.")
     ] = None,
     layers: Annotated[int | None, typer.Option(help="Compile a model of this depth (quick checks).")] = None,
     remat: Annotated[str | None, typer.Option(help="Override spec.parallelism.remat.")] = None,
-    hbm_gib: Annotated[float | None, typer.Option(help="HBM per JAX device in GiB (default: tpu7x, 96).")] = None,
+    hbm_gib: Annotated[
+        float | None, typer.Option(help="Memory per device in GiB (default: tpu7x 96 per JAX device; the GPU's).")
+    ] = None,
 ) -> None:
-    """Compile the job's training step for its TPU topology ahead of time (no TPU needed) and check it fits."""
+    """Check the job's training step fits its devices, with no accelerator here: TPU jobs are compiled ahead of
+    time for their topology; GPU jobs have their torch step traced on fake tensors with PyTorch's FSDP memory
+    tracker."""
     import json
 
     import numpy as np
 
-    from wanloom_trainer.train.compile_tpu import compile_job
-
     try:
+        job = load_trainingjob_file(file)
         pixels = None if not shape else np.asarray([_pixel_shape(s) for s in shape])
-        report = compile_job(
-            load_trainingjob_file(file),
-            pixels=pixels,
-            layers=layers,
-            remat=remat,
+        if job.spec.resources.gpu is not None:
+            from wanloom_trainer.train.compile_gpu import size_job as check
+        else:
+            from wanloom_trainer.train.compile_tpu import compile_job as check
+        report = check(
+            job, pixels=pixels, layers=layers, remat=remat,
             capacity_bytes=None if hbm_gib is None else int(hbm_gib * 2**30),
-        )
+        )  # fmt: skip
     except (InvalidTrainingJob, ValueError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None

@@ -51,6 +51,12 @@ def _losses(make_config, **spec) -> tuple[list[float], list[float]]:
         pytest.param({"parallelism": {"remat": "save-attention"}}, 1e-6, id="remat-save-attention"),
         pytest.param({"model": {"computeDtype": "bfloat16"}}, 3e-2, id="bf16-compute"),
         pytest.param({"model": {"paramDtype": "bfloat16", "computeDtype": "bfloat16"}}, 3e-2, id="bf16-params"),
+        pytest.param(
+            {"kernels": {"adaln": "fused", "compile": "blocks"}, "parallelism": {"remat": "full"}},
+            1e-5,
+            id="compiled-blocks-fused-remat",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_settings_change_only_what_they_should(make_config, spec, tol) -> None:
@@ -58,6 +64,15 @@ def test_settings_change_only_what_they_should(make_config, spec, tol) -> None:
     got_loss, got_norm = _losses(make_config, **spec)
     np.testing.assert_allclose(got_loss, want_loss, rtol=tol)
     np.testing.assert_allclose(got_norm, want_norm, rtol=10 * tol)
+
+
+def test_compiled_blocks_are_compiled(make_config) -> None:
+    """nn.Module.compile keeps each block's class and module path (checkpoint keys unchanged) and compiles its call."""
+    backend = TorchBackend(make_config(kernels={"compile": "blocks"}))
+    state = backend.init_state()
+    assert all(block._compiled_call_impl is not None for m in state.experts for block in m.blocks)
+    plain = TorchBackend(make_config()).init_state()
+    assert all(block._compiled_call_impl is None for m in plain.experts for block in m.blocks)
 
 
 def test_bf16_params_are_stored_in_bf16_and_fp32_params_stay_fp32(make_config) -> None:

@@ -89,7 +89,6 @@ def test_remat_and_checkpoint_wrapper_keep_state_dict_keys(tiny) -> None:
     ("parallel", "device", "message"),
     [
         pytest.param(ParallelConfig(1, 1, 1, 2), "cpu", "tensor=2: the torch backend has no tensor", id="tensor"),
-        pytest.param(ParallelConfig(1, 1, 2, 1), "cpu", "context=2: diffusers context parallelism", id="cp-on-cpu"),
         pytest.param(ParallelConfig(1, 4, 1, 1), "cpu", "= 4 ranks, but the process group has world size 1", id="size"),
     ],
 )

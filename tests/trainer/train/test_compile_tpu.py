@@ -60,10 +60,10 @@ def test_compile_uses_the_compiler_options_the_pods_get(tmp_path: Path) -> None:
     assert "xla_wanloom_test_unknown_flag" in run.stderr, run.stderr[-3000:]
 
 
-def test_compile_refuses_a_job_without_tpu_resources() -> None:
-    run = wanloom("compile", str(JOBS / "ti2v-5b-h200-2x8.yaml"))
+def test_compile_refuses_a_job_without_accelerators() -> None:
+    run = wanloom("compile", str(JOBS / "tiny-local.yaml"))
     assert run.returncode == 1
-    assert "spec.resources.tpu is unset" in run.stderr and "Traceback" not in run.stderr
+    assert "set spec.resources.tpu or spec.resources.gpu" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_compile_rejects_a_malformed_shape() -> None:

@@ -49,6 +49,7 @@ class ModelConfig:
     adaln: AdalnImpl
     attention: Literal["xla", "splash", "sdpa", "flash"]
     remat: Remat
+    compile_blocks: bool = False  # torch: torch.compile each transformer block (spec.kernels.compile: blocks)
     num_layers: int | None = None  # fewer blocks than the variant has (wanloom compile --layers); None: all
 
     @property
@@ -227,6 +228,7 @@ def _model(spec: TrainingJobSpec) -> ModelConfig:
         adaln=spec.kernels.adaln,
         attention=attention,
         remat=spec.parallelism.remat,
+        compile_blocks=spec.kernels.compile == "blocks",
     )
 
 

@@ -6,7 +6,8 @@ for each segment s (a sample, or a segment of a packed row); per-token modulatio
 ``d_shift = dy`` elementwise. Contract and packing: ``adaln_shapes.py`` and docs/architecture.md.
 
 Layout, Liger-Kernel style: private ``@triton.jit`` kernels, the launch table, the public launchers
-``adaln_forward`` / ``adaln_backward`` that check shapes, then ``AdaLNFunction`` and ``adaln_triton``.
+``adaln_forward`` / ``adaln_backward`` that check shapes, the same as PyTorch operators (``wanloom::adaln_forward``,
+``wanloom::adaln_backward``, with shape-only fake implementations), then ``AdaLNFunction`` and ``adaln_triton``.
 
 Rows are the flattened ``R = B·N`` tokens. Each row belongs to a *global segment* ``g = b·S + s`` (per sample:
 ``g = b``), and g is non-decreasing over the rows; the modulation row of row r is ``scale[g // S, g % S]`` (per
@@ -556,6 +557,40 @@ def _segment_sum(
     return d_scale, d_shift
 
 
+# The launchers as PyTorch operators: torch.compile keeps them as single graph nodes, and FakeTensorMode (the GPU
+# memory estimate of ``wanloom compile``) gets their output shapes without running a kernel.
+@torch.library.custom_op("wanloom::adaln_forward", mutates_args=())
+def _forward_op(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, segment_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return adaln_forward(x, scale, shift, eps, segment_ids)
+
+
+@_forward_op.register_fake
+def _(x, scale, shift, eps, segment_ids):
+    stats = x.new_empty(x.shape[:2], dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("wanloom::adaln_backward", mutates_args=())
+def _backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    shift_dtype: torch.dtype,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return adaln_backward(dy, x, scale, mean, rstd, shift_dtype=shift_dtype, segment_ids=segment_ids)
+
+
+@_backward_op.register_fake
+def _(dy, x, scale, mean, rstd, shift_dtype, segment_ids):
+    d_shift = scale.new_empty(scale.shape, dtype=shift_dtype)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(scale), d_shift
+
+
 class AdaLNFunction(torch.autograd.Function):
     """Autograd wrapper: saves x, mean, rstd and scale (not y, not x̂, not shift)."""
 
@@ -568,7 +603,7 @@ class AdaLNFunction(torch.autograd.Function):
         eps: float = 1e-6,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        y, mean, rstd = adaln_forward(x, scale, shift, eps, segment_ids)
+        y, mean, rstd = _forward_op(x, scale, shift, eps, segment_ids)
         ctx.save_for_backward(x, mean, rstd, scale, segment_ids)
         ctx.shift_dtype = shift.dtype
         return y
@@ -576,9 +611,7 @@ class AdaLNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, mean, rstd, scale, segment_ids = ctx.saved_tensors
-        dx, d_scale, d_shift = adaln_backward(
-            dy, x, scale, mean, rstd, shift_dtype=ctx.shift_dtype, segment_ids=segment_ids
-        )
+        dx, d_scale, d_shift = _backward_op(dy, x, scale, mean, rstd, ctx.shift_dtype, segment_ids)
         return dx, d_scale, d_shift, None, None
 
 

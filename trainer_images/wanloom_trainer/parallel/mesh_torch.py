@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from wanloom_api.trainingjob import REMAT_POLICIES
@@ -145,19 +146,32 @@ def _policies(mixed_precision: MixedPrecision) -> tuple[MixedPrecisionPolicy, Mi
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: MixedPrecision) -> None:
     """``fully_shard`` each block, the time embedder (kept fp32, as diffusers keeps it), then the root."""
     main, fp32 = _policies(mixed_precision)
+
+    def shard(module: nn.Module, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
+        # Registered before fully_shard, so it runs before FSDP's own post-forward hook (registration order).
+        module.register_forward_hook(_fresh_outputs)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=main, reshard_after_forward=True)
+        shard(block, main, True)
     if mixed_precision.param_dtype == torch.float32:
-        fully_shard(model.condition_embedder.time_embedder, mesh=mesh, mp_policy=fp32, reshard_after_forward=True)
+        shard(model.condition_embedder.time_embedder, fp32, True)
     # The root's parameters (patch/text embedders, output projection) are needed again at the start of backward:
     # keeping them gathered saves one all-gather per step.
-    fully_shard(model, mesh=mesh, mp_policy=main, reshard_after_forward=False)
+    shard(model, main, False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, not mean (module docstring). Forcing plain SUM collectives keeps the divide factor 1 off NCCL's
             # PreMulSum, which gloo lacks; with a factor of 1 FSDP then skips its post-division entirely.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _fresh_outputs(module: nn.Module, args: object, output: object) -> object:
+    """diffusers' Wan forward returns its unpatchified prediction as a view (and the time embedder its embedding);
+    FSDP2 hangs its pre-backward hook on a module's outputs, and an in-place op on a view would drop it. A copy of a
+    view output (the prediction: a few MB) is the module's own tensor whatever the caller does with it."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, output)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -189,8 +203,18 @@ def _accelerator_count_at_least_one() -> Iterator[None]:
         torch.accelerator.device_count = count
 
 
-def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_precision: MixedPrecision) -> nn.Module:
-    """Apply context parallelism, activation checkpointing, then FSDP2 to one Wan expert, in place.
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` every transformer block in place (regional compilation, as torchtitan does): the blocks
+    share one architecture, so one compiled graph serves all of them; the fused AdaLN kernels are PyTorch
+    operators (``wanloom::adaln_*``) and stay single graph nodes."""
+    for block in model.blocks:
+        block.compile()
+
+
+def parallelize_wan(
+    model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_precision: MixedPrecision, compile: bool = False
+) -> nn.Module:
+    """Apply context parallelism, activation checkpointing, compilation, then FSDP2 to one Wan expert, in place.
 
     The order matters:
     1. Context parallelism first: diffusers registers its split/gather hooks by submodule name (``blocks.0``,
@@ -199,7 +223,9 @@ def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_pr
        all-gather then happens once around the whole checkpointed region, and the backward recomputation runs
        while FSDP's pre-backward hook holds the parameters unsharded (no second gather, and the checkpoint never
        saves sharded parameters).
-    3. FSDP last, blocks before the root, so each block is its own all-gather/reduce-scatter unit and the root
+    3. Compilation (``compile``) of the checkpointed blocks, before FSDP: the graph holds the block's compute and
+       recomputation, FSDP's all-gathers and reduce-scatters stay outside it (torchtitan's order).
+    4. FSDP last, blocks before the root, so each block is its own all-gather/reduce-scatter unit and the root
        holds only what is left.
 
     Args:
@@ -208,6 +234,7 @@ def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_pr
         mesh: from ``build_torch_mesh``.
         remat: ``spec.parallelism.remat``: none, full, save-matmuls or save-attention.
         mixed_precision: master and compute dtypes; gradients are always reduced in fp32.
+        compile: ``spec.kernels.compile: blocks``.
 
     Returns:
         The same module, now an ``FSDPModule`` — unless the job has one rank and one dtype: FSDP would shard over
@@ -216,6 +243,8 @@ def parallelize_wan(model: nn.Module, *, mesh: TorchMeshes, remat: str, mixed_pr
     if mesh.context > 1:
         apply_context_parallel(model, mesh.world)
     apply_activation_checkpointing(model, remat)
+    if compile:
+        compile_blocks(model)
     if mesh.world.size() > 1 or mixed_precision.param_dtype != mixed_precision.compute_dtype:
         apply_fsdp(model, mesh.fsdp, mixed_precision)
     return model

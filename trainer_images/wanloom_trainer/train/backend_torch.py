@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +77,6 @@ class TorchBackend:
 
     def __init__(self, config: TrainConfig, env: Mapping[str, str] | None = None) -> None:
         self.config = config
-        # The loss only reads the model's output (never modifies it in place), which is what this warns about.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         if config.model.adaln == "fused":
             _enable_triton_interpreter_on_cpu()
         self._owns_group = not dist.is_initialized()
@@ -125,7 +122,13 @@ class TorchBackend:
             model.set_attention_backend(attention)
         if self.precision.param_dtype != torch.float32:
             model.to(self.precision.param_dtype)  # bf16 masters: FSDP2 needs one dtype per sharded group
-        parallelize_wan(model, mesh=self.mesh, remat=self.config.model.remat, mixed_precision=self.precision)
+        parallelize_wan(
+            model,
+            mesh=self.mesh,
+            remat=self.config.model.remat,
+            mixed_precision=self.precision,
+            compile=self.config.model.compile_blocks,
+        )
         model.to_empty(device=self.device)
         full = self._full_state_dict(expert) if self.proc.rank == 0 else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -30,6 +30,7 @@ import numpy as np
 
 from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.train.step_shapes import compile_shapes
 
 # TPU v7x (Ironwood): two TensorCores per chip, each its own JAX device (the topology descriptions list 2 devices
 # per chip), so one device addresses half the chip's HBM: 96 GiB. Seed 000 reports 94.7 GB usable.
@@ -37,12 +38,6 @@ _TPU7X = ACCELERATOR_TYPES["tpu7x"]
 HBM_BYTES_PER_DEVICE = {"tpu7x": _TPU7X.hbm_bytes // _TPU7X.devices_per_chip}
 # Variables of spec.resources.env that change what libtpu compiles (read once, when libtpu loads).
 COMPILER_ENV = ("LIBTPU_INIT_ARGS",)
-# The shape a job is compiled at when it names no buckets: each variant's flagship training clip (pixels F×H×W).
-REFERENCE_PIXELS = {
-    "wan2.2-t2v-a14b": (81, 720, 1280),
-    "wan2.2-i2v-a14b": (81, 720, 1280),
-    "wan2.2-ti2v-5b": (121, 704, 1280),
-}
 
 
 @dataclass(frozen=True)
@@ -128,32 +123,13 @@ def device_bytes(tree: Any) -> int:
     return total
 
 
-def compile_shapes(config: TrainConfig, pixels: np.ndarray | None = None) -> np.ndarray:
-    """Latent shapes [k, 3] to compile: the given pixel shapes (F, H, W), else the job's buckets, else the
-    variant's reference clip."""
-    from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels
-
-    if pixels is None and config.adaptive_load.buckets is not None:
-        pixels = np.asarray([b.pixels for b in config.adaptive_load.buckets])
-    if pixels is None:
-        reference = REFERENCE_PIXELS.get(config.model.variant)
-        if reference is None:
-            raise ValueError(
-                f"wanloom compile: spec.adaptiveLoad.buckets is unset and {config.model.variant} has no reference "
-                "shape; name the shapes with spec.adaptiveLoad.buckets or --shape FxHxW"
-            )
-        pixels = np.asarray([reference])
-    return latent_shapes_for_pixels(config.model.wan, np.atleast_2d(pixels))
-
-
 def _tpu_devices(job: Any) -> tuple[str, int, list[Any]]:
     from jax.experimental import topologies
 
     tpu = job.spec.resources.tpu
     if tpu is None:
         raise ValueError(
-            "wanloom compile: spec.resources.tpu is unset; compile targets TPU v7x slices (GPU jobs are checked by "
-            "benchmarks/adaln_kernels.py --aot)"
+            "wanloom compile: set spec.resources.tpu or spec.resources.gpu; a CPU job runs here as it is (wanloom run)"
         )
     name = f"tpu7x:{tpu.topology}"
     devices = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=tpu.slices).devices
