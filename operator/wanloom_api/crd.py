@@ -141,6 +141,7 @@ def _spec_schema() -> dict[str, Any]:
         ("resources", "cpu"),
         ("data", "synthetic"),
         ("optimizer", "ema"),
+        ("lora",),
         ("validation",),
         ("export",),
         ("tracking", "wandb"),

@@ -111,6 +111,7 @@ def tokens_per_sample(variant: str, frames: int, height: int, width: int) -> int
     return ((frames - 1) // ft + 1) * (height // fh) * (width // fw)
 
 
+TINY_VARIANTS: tuple[str, ...] = ("tiny", "tiny-i2v", "tiny-ti2v")  # toy models: random weights are fine
 # Variants conditioned on an image (the I2V layout): they cannot generate from a text prompt alone.
 IMAGE_CONDITIONED_VARIANTS: tuple[str, ...] = ("wan2.2-i2v-a14b", "tiny-i2v")
 PROMPTS_NEED_TEXT_TO_VIDEO = "validation.promptSize: an image-to-video variant cannot generate from a prompt alone"
@@ -330,6 +331,7 @@ BATCH_WITHIN_EPOCH = (
 MAX_GLOBAL_BATCH = 1 << 20
 EXPORT_NEEDS_CHECKPOINTS = "export needs training.checkpoint.uri: the final checkpoint is what it exports"
 EXPORT_EMA_NEEDS_EMA = "export.ema needs optimizer.ema: without it no EMA weights are kept"
+EXPORT_MERGE_NEEDS_LORA = "export.merge folds LoRA adapters into model.weights: it needs spec.lora and model.weights"
 SPLASH_NEEDS_TPU = "splash attention needs tpu resources"
 TORCH_ATTENTION = "sdpa and flash attention need the torch backend; use auto or xla for jax"
 XLA_ATTENTION = "xla attention needs the jax backend; use auto, sdpa or flash"
@@ -477,6 +479,46 @@ class OptimizerSpec(_Model):
         return tuple(value) if isinstance(value, list) else value  # YAML and JSON have lists, not tuples
 
 
+# Linear layers of a Wan block LoRA adapts, by their diffusers names (relative to blocks.<i>): self-attention
+# (attn1) and cross-attention (attn2) q, k, v and output projections, and the FFN's two matrices.
+LoraTarget = Literal[
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
+    "ffn.net.0.proj", "ffn.net.2",
+]  # fmt: skip
+LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
+LORA_NEEDS_WEIGHTS = "lora adapts trained weights: set model.weights (only the tiny variants start from random ones)"
+LORA_EXPERT_OF_ONE_MODEL = "lora.experts: a single-model variant has one model; use both"
+LORA_DROPOUT_NEEDS_TORCH = "lora.dropout: the jax backend trains adapters without dropout; set 0 or use backend torch"
+
+
+class LoraSpec(_Model):
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("self.targets.all(t, self.targets.filter(u, u == t).size() == 1)", "lora.targets must be unique", ".targets"),
+    )
+    rank: int = Field(32, ge=1, le=1024, description="Adapter rank r.")
+    alpha: float | None = Field(
+        None, gt=0.0, le=65536.0, description="Adapters add (alpha / rank)·B·A·x; default: the rank (scale 1)."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
+    targets: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        max_length=len(LORA_TARGETS),
+        description="Linear layers of every block to adapt, by diffusers name: attn1/attn2 .to_q .to_k .to_v "
+        ".to_out.0 and ffn.net.0.proj, ffn.net.2 (default: all ten).",
+    )
+    experts: Literal["both", "high_noise", "low_noise"] = Field(
+        "both",
+        description="Which experts get adapters. One expert: every sample's timestep is drawn within that expert's "
+        "band (the configured distribution restricted to it), so every step trains it; the other stays frozen.",
+    )
+
+    @property
+    def scale(self) -> float:
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+
 class CheckpointSpec(_Model):
     uri: StorageURI | None = Field(None, description="Checkpoint root (gs:// or a path); unset disables checkpoints.")
     interval: int = Field(1000, ge=1, description="Steps between checkpoints.")
@@ -538,6 +580,11 @@ class ExportSpec(_Model):
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype of every tensor written.")
     ema: bool = Field(False, description="Export the EMA weights (needs spec.optimizer.ema).")
+    merge: bool = Field(
+        False,
+        description="LoRA jobs: write full weights with the adapters merged into model.weights instead of the "
+        "adapter files.",
+    )
 
 
 class WandbSpec(_Model):
@@ -796,6 +843,28 @@ class TrainingJobSpec(_Model):
         ),
         ("!has(self.export) || !self.export.ema || has(self.optimizer.ema)", EXPORT_EMA_NEEDS_EMA, ".export.ema"),
         (
+            "!has(self.export) || !has(self.export.merge) || !self.export.merge || "
+            "(has(self.lora) && has(self.model.weights))",
+            EXPORT_MERGE_NEEDS_LORA,
+            ".export.merge",
+        ),
+        (
+            f"!has(self.lora) || has(self.model.weights) || self.model.variant in {_cel_list(TINY_VARIANTS)}",
+            LORA_NEEDS_WEIGHTS,
+            ".lora",
+        ),
+        (
+            f"!has(self.lora) || !has(self.lora.experts) || self.lora.experts == 'both' || "
+            f"!(self.model.variant in {_cel_list(v for v, r in DEFAULT_BOUNDARY_RATIO.items() if r is None)})",
+            LORA_EXPERT_OF_ONE_MODEL,
+            ".lora.experts",
+        ),
+        (
+            f"!has(self.lora) || !has(self.lora.dropout) || self.lora.dropout == 0.0 || {_BACKEND_CEL} == 'torch'",
+            LORA_DROPOUT_NEEDS_TORCH,
+            ".lora.dropout",
+        ),
+        (
             f"!has(self.validation) || !has(self.validation.promptSize) || "
             f"!(self.model.variant in {_cel_list(IMAGE_CONDITIONED_VARIANTS)})",
             PROMPTS_NEED_TEXT_TO_VIDEO,
@@ -823,6 +892,12 @@ class TrainingJobSpec(_Model):
     kernels: KernelsSpec = Field(default_factory=KernelsSpec, description="Kernel implementations.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Device mesh and remat.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW per expert.")
+    lora: LoraSpec | None = Field(
+        None,
+        description="Train low-rank adapters (fp32, AdamW) on the frozen base weights instead of the full model; "
+        "checkpoints hold the adapters, `wanloom export` writes them as LoRA files (or merged, --merge). Unset: "
+        "full training.",
+    )
     validation: ValidationSpec | None = Field(
         None, description="Held-out validation loss per expert band while training; unset disables it."
     )

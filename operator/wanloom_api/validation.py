@@ -26,12 +26,16 @@ from wanloom_api.trainingjob import (
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
     EXPORT_EMA_NEEDS_EMA,
+    EXPORT_MERGE_NEEDS_LORA,
     EXPORT_NEEDS_CHECKPOINTS,
     FRAMES_4K_PLUS_1,
     GCS_URI_PATTERN,
     GLOBAL_BATCH_PER_RANK,
     GPU_NEEDS_TORCH,
     IMAGE_CONDITIONED_VARIANTS,
+    LORA_DROPOUT_NEEDS_TORCH,
+    LORA_EXPERT_OF_ONE_MODEL,
+    LORA_NEEDS_WEIGHTS,
     MOUNT_NEEDS_NAME_AND_PATH,
     MOUNT_OF_NO_VOLUME,
     MULTIPLE_OF_16,
@@ -42,6 +46,7 @@ from wanloom_api.trainingjob import (
     SEQUENCE_GEOMETRY,
     SPLASH_NEEDS_TPU,
     STORAGE_URI,
+    TINY_VARIANTS,
     TORCH_ATTENTION,
     URI_SCHEME_PATTERN,
     VOLUME_NEEDS_NAME,
@@ -396,11 +401,28 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
             yield FieldError(path, f"{STORAGE_URI} (got {uri!r})")
 
 
+def _check_lora(spec: TrainingJobSpec) -> Iterator[FieldError]:
+    lora = spec.lora
+    if lora is None:
+        return
+    if spec.model.weights is None and spec.model.variant not in TINY_VARIANTS:
+        yield FieldError("spec.lora", f"{LORA_NEEDS_WEIGHTS} (got variant {spec.model.variant} without weights)")
+    if lora.experts != "both" and DEFAULT_BOUNDARY_RATIO[spec.model.variant] is None:
+        yield FieldError("spec.lora.experts", f"{LORA_EXPERT_OF_ONE_MODEL} (got {lora.experts!r})")
+    if lora.dropout > 0 and spec.resources.resolved_backend != "torch":
+        yield FieldError("spec.lora.dropout", f"{LORA_DROPOUT_NEEDS_TORCH} (got {lora.dropout})")
+    repeated = sorted({t for t in lora.targets if lora.targets.count(t) > 1})
+    if repeated:
+        yield FieldError("spec.lora.targets", f"lora.targets must be unique (got {', '.join(repeated)} twice)")
+
+
 def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
     if spec.export is not None and spec.training.checkpoint.uri is None:
         yield FieldError("spec.export", EXPORT_NEEDS_CHECKPOINTS)
     if spec.export is not None and spec.export.ema and spec.optimizer.ema is None:
         yield FieldError("spec.export.ema", EXPORT_EMA_NEEDS_EMA)
+    if spec.export is not None and spec.export.merge and (spec.lora is None or spec.model.weights is None):
+        yield FieldError("spec.export.merge", EXPORT_MERGE_NEEDS_LORA)
     if spec.validation is not None and spec.validation.videos > spec.validation.samples:
         yield FieldError(
             "spec.validation.videos",
@@ -442,5 +464,6 @@ _CHECKS: tuple[Callable[[TrainingJobSpec], Iterator[FieldError]], ...] = (
     _check_volumes,
     _check_kernels,
     _check_uris,
+    _check_lora,
     _check_training,
 )

@@ -1,4 +1,5 @@
-"""`wanloom export`: a TrainingJob's checkpoint as diffusers folders or original-Wan files (``wanloom_trainer.export``).
+"""`wanloom export`: a TrainingJob's checkpoint as diffusers folders or original-Wan files, a LoRA job's adapters as
+LoRA files (or merged) (``wanloom_trainer.export``).
 
 The export needs no accelerator: JAX is kept on the CPU unless ``JAX_PLATFORMS`` says otherwise.
 """
@@ -34,6 +35,9 @@ def export(
     ] = "diffusers",
     step: Annotated[int | None, typer.Option(help="Checkpoint step. Default: the latest.")] = None,
     ema: Annotated[bool, typer.Option(help="Export the EMA weights (spec.optimizer.ema).")] = False,
+    merge: Annotated[
+        bool, typer.Option(help="LoRA jobs: full weights, the adapters merged into spec.model.weights.")
+    ] = False,
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
     max_shard_size: Annotated[str, typer.Option(help="Shard size of the diffusers layout.")] = "5GB",
 ) -> None:
@@ -52,6 +56,9 @@ def export(
             get_variant(job.spec.model.variant),
             step=step,
             ema=ema,
+            lora=job.spec.lora,
+            merge=merge,
+            weights=job.spec.model.weights,
             fmt=format_,
             out=out,
             name=job.metadata.name,
@@ -61,7 +68,8 @@ def export(
     except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
         typer.echo(f"wanloom export: {exc}", err=True)
         raise typer.Exit(1) from None
-    weights = "EMA weights" if ema else "weights"
+    what = "adapters" if job.spec.lora is not None and not merge else "weights"
+    weights = f"EMA {what}" if ema else what
     typer.echo(f"exported the {weights} of step {exported.step} ({format_}, {dtype}) to {exported.out}:")
     for label, files in exported.files.items():
         typer.echo(f"  {label}: {', '.join(files)}")

@@ -207,3 +207,26 @@ def test_a_context_degree_that_does_not_divide_the_heads_is_refused() -> None:
     [error] = result.errors
     assert error.path == "spec.parallelism.context"
     assert "the 2 attention heads of tiny" in error.message and "use one of 2" in error.message
+
+
+@pytest.mark.parametrize(
+    ("variant", "spec", "path", "message"),
+    [
+        ("wan2.2-t2v-a14b", {"lora": {}}, "spec.lora", "set model.weights"),
+        ("wan2.2-ti2v-5b", {"lora": {"experts": "high_noise"}, "model": {"weights": "gs://b/w"}},
+         "spec.lora.experts", "single-model variant has one model"),
+        ("tiny", {"lora": {"dropout": 0.1}}, "spec.lora.dropout", "jax backend trains adapters without dropout"),
+        ("tiny", {"lora": {"targets": ["attn1.to_q", "attn1.to_q"]}}, "spec.lora.targets", "must be unique"),
+        ("tiny", {"export": {"uri": "/x", "merge": True}, "training": {"steps": 10, "globalBatch": 8,
+                                                                       "checkpoint": {"uri": "/c"}}},
+         "spec.export.merge", "needs spec.lora and model.weights"),
+    ],
+)  # fmt: skip
+def test_lora_rules_name_the_field(variant: str, spec: dict, path: str, message: str) -> None:
+    cpu = {"cpu": {"nodes": 1}}
+    doc = _sequence_job(variant, {"fsdp": -1}, cpu, [{"frames": 1, "height": 64, "width": 64}])
+    model = spec.pop("model", {})
+    doc["spec"].update(spec)
+    doc["spec"]["model"].update(model)
+    errors = validate_trainingjob(doc).errors
+    assert any(e.path == path and message in e.message for e in errors), errors

@@ -113,3 +113,21 @@ def test_loss_weights_are_normalised_over_the_grid_and_finite_at_batch_one(schem
     assert float(np.mean(loss_weights(grid, scheme))) == pytest.approx(1.0, abs=1e-4)
     single = loss_weights(np.array([999.5], np.float32), scheme)
     assert single.shape == (1,) and np.isfinite(single).all() and single[0] > 0
+
+
+@pytest.mark.parametrize("mode", ["per-sample", "per-batch"])
+@pytest.mark.parametrize("only", [HIGH_NOISE, LOW_NOISE])
+def test_routing_to_one_expert_draws_the_configured_distribution_within_its_band(only: int, mode: str) -> None:
+    """LoRA on one expert: every sample goes to it, its timesteps distributed as the configured ones in its band."""
+    sampler = SAMPLERS["logit-normal-shifted"]
+    router = Router(sampler, BOUNDARY, mode, only=only)
+    t, experts = draws(router, DRAWS // 8, 8)
+    assert (experts == only).all()
+    assert router.high_noise_share == (1.0 if only == HIGH_NOISE else 0.0)
+    ref = reference_timesteps(sampler, 400_000)
+    band = ref >= BOUNDARY * 1000 if only == HIGH_NOISE else ref < BOUNDARY * 1000
+    assert (t >= BOUNDARY * 1000).all() if only == HIGH_NOISE else (t < BOUNDARY * 1000).all()
+    result = stats.ks_2samp(t, ref[band])
+    assert result.pvalue > P_VALUE, f"only {only}/{mode}: KS p={result.pvalue:.2e}"
+    with pytest.raises(ValueError, match="needs two experts"):
+        Router(sampler, None, mode, only=only)

@@ -21,7 +21,10 @@ Outside the blocks (forward):
     time embedding  freq → D → D, then D → 6D         2·(freq·D + D² + 6·D²), once per sample, or once per token
                                                       (× S) for per-token timesteps (TI2V-5B ``expand_timesteps``)
 
-Training FLOPs = 3 × forward (backward = 2 × forward). Recomputation from activation checkpointing is *not*
+Training FLOPs = 3 × forward (backward = 2 × forward). With LoRA (frozen base weights) the backward skips the
+weight gradients: the projections, FFN and embeddings count 2 × forward (forward + input gradients), QKᵀ/PV still 3 ×,
+the cross-attention K/V projections of the (never differentiated) text 1 ×; the adapters' rank-r matmuls are left
+out (r ≪ D). Recomputation from activation checkpointing is *not*
 counted: MFU measures useful model FLOPs, so remat lowers MFU rather than inflating it. Norms, RoPE, softmax and
 elementwise modulation are ignored (< 1%). Reference check: A14B at 720×1280×81 has 75,600 tokens and ≈19.6 PFLOP
 per training sample, ≈72% of it in QKᵀ/PV (``test_a14b_720p_reference`` in tests/trainer/test_flops.py).
@@ -67,6 +70,13 @@ class FlopBreakdown:
     @property
     def train(self) -> float:
         return TRAIN_FACTOR * self.forward
+
+    @property
+    def train_lora(self) -> float:
+        """Training FLOPs with the base frozen (module docstring)."""
+        scores = self.self_attn_scores + self.cross_attn_scores
+        linear = self.self_attn_proj + self.cross_attn_proj + self.ffn + self.embeddings
+        return TRAIN_FACTOR * scores + 2 * linear + self.cross_attn_text_kv
 
     @property
     def attention_fraction(self) -> float:
@@ -121,9 +131,11 @@ def train_flop_coefficients(variant: WanVariant) -> tuple[float, float, float]:
     return TRAIN_FACTOR * c0, TRAIN_FACTOR * c1, TRAIN_FACTOR * c2
 
 
-def train_flops_per_sample(variant: WanVariant, tokens: int) -> float:
-    """Training FLOPs (forward × 3) of one sample with ``tokens`` video tokens."""
-    return flop_breakdown(variant, tokens).train
+def train_flops_per_sample(variant: WanVariant, tokens: int, *, lora: bool = False) -> float:
+    """Training FLOPs (forward × 3; with ``lora``, the frozen-base count) of one sample with ``tokens`` video
+    tokens."""
+    breakdown = flop_breakdown(variant, tokens)
+    return breakdown.train_lora if lora else breakdown.train
 
 
 def train_flops_for_latent(variant: WanVariant, latent_shape: tuple[int, int, int]) -> float:

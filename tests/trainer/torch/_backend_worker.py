@@ -93,7 +93,7 @@ def full_parameters(backend: TorchBackend, state) -> dict[str, np.ndarray]:
     out = {}
     for name, model in zip(backend.names, state.experts, strict=True):
         for key, value in get_model_state_dict(model, options=options).items():
-            out[f"{name}/{key}"] = value.numpy()
+            out[f"{name}/{key}"] = value.float().numpy()
     return out
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of, download_prefix, upload_dir
 
 META_FILE = "meta.json"
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -186,13 +188,15 @@ def training_state(
     """The DCP state dict: sharded model and optimizer states per expert, the experts' EMA weights when kept
     (``ema.<expert>.<parameter>``, loaded in place), and this rank's RNG states.
 
-    RNG states are stored per rank (``rng/rank<r>``): each rank restores its own.
+    Only trained parameters are saved: all of them in full training, the adapters of a LoRA job (its frozen base
+    is the job's ``model.weights``, loaded at every start). RNG states are stored per rank (``rng/rank<r>``): each
+    rank restores its own.
     """
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     state = {
-        "experts": {name: get_model_state_dict(model) for name, model in experts.items()},
+        "experts": {name: get_model_state_dict(model, options=_TRAINED) for name, model in experts.items()},
         "optimizers": {name: get_optimizer_state_dict(experts[name], opt) for name, opt in optimizers.items()},
         "rng": {_rng_key(): rng},
     }
@@ -206,7 +210,9 @@ def apply_training_state(
 ) -> None:
     """Put a loaded ``training_state`` back into the models, optimizers and RNGs."""
     for name, model in experts.items():
-        set_model_state_dict(model, state["experts"][name])
+        # A LoRA job's state dict leaves the frozen base out: only then may keys be missing.
+        strict = all(p.requires_grad for p in model.parameters())
+        set_model_state_dict(model, state["experts"][name], options=StateDictOptions(strict=strict))
         set_optimizer_state_dict(model, optimizers[name], state["optimizers"][name])
     if "rng" not in state:
         return

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Literal
 
 from wanloom_api import keys
+from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_api.trainingjob import (
     AdalnImpl,
     AdaptiveLoadSpec,
     CheckpointSpec,
     DataSpec,
     ExportSpec,
+    LoraSpec,
     OptimizerSpec,
     Remat,
     TrackingSpec,
@@ -73,12 +75,13 @@ class RoutingConfig:
     logit_std: float
     shift: float
     loss_weighting: Literal["none", "bell"]
+    only_expert: int | None = None  # LoRA on one expert (spec.lora.experts): every sample goes to it
 
     def router(self):  # -> routing.Router (imported lazily: scipy is only needed once a run starts)
         from wanloom_trainer.routing import Router, TimestepSampler
 
         sampler = TimestepSampler(self.sampling, self.shift, self.logit_mean, self.logit_std)
-        return Router(sampler, self.boundary_ratio, self.mode)
+        return Router(sampler, self.boundary_ratio, self.mode, only=self.only_expert)
 
     def expected_shares(self) -> tuple[float, ...]:
         """Fraction of samples each expert id receives under this distribution: (high, low), or (1,) for one model."""
@@ -121,6 +124,7 @@ class TrainConfig:
     model: ModelConfig
     routing: RoutingConfig
     optimizer: OptimizerSpec
+    lora: LoraSpec | None  # low-rank adapters on frozen base weights; None: full training
     parallel: ParallelConfig
     data: DataSpec  # uri and index: gs:// or absolute
     adaptive_load: AdaptiveLoadSpec  # benchFile: gs:// or absolute
@@ -152,6 +156,17 @@ class TrainConfig:
                 "processes (WANLOOM_NUM_SLICES x WANLOOM_HOSTS_PER_SLICE)"
             )
 
+    @property
+    def adapted_experts(self) -> tuple[bool, ...]:
+        """Per expert (routing id): does it train LoRA adapters (``spec.lora.experts``; a single-model variant's
+        one model whenever LoRA is on)? All False for full training."""
+        n = self.model.num_experts
+        if self.lora is None:
+            return (False,) * n
+        if self.lora.experts == "both" or n == 1:
+            return (True,) * n
+        return tuple(label == self.lora.experts for label in EXPERT_LABELS[:n])
+
 
 def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
     """Build the trainer's configuration from a validated TrainingJob and the process environment.
@@ -169,6 +184,7 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         model=_model(spec),
         routing=_routing(spec),
         optimizer=spec.optimizer,
+        lora=spec.lora,
         parallel=_parallel(spec),
         data=spec.data.model_copy(update={"uri": _uri(spec.data.uri), "index": _uri(spec.data.index)}),
         adaptive_load=spec.adaptive_load.model_copy(update={"bench_file": _uri(spec.adaptive_load.bench_file)}),
@@ -243,6 +259,9 @@ def _routing(spec: TrainingJobSpec) -> RoutingConfig:
         logit_std=r.logit_std,
         shift=shift,
         loss_weighting=r.loss_weighting,
+        only_expert=None
+        if spec.lora is None or spec.lora.experts == "both"
+        else EXPERT_LABELS.index(spec.lora.experts),
     )
 
 

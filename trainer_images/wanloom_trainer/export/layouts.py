@@ -10,6 +10,9 @@ the Wan pipelines (``WanPipeline(transformer=..., transformer_2=...)``) read.
 ``<name>_high_noise.safetensors`` / ``<name>_low_noise.safetensors`` (single-model: ``<name>.safetensors``): what
 ComfyUI's diffusion-model loader, DiffSynth-Studio and diffusers' ``from_single_file`` read.
 
+A LoRA job's checkpoint holds adapters: they are written as LoRA files in either layout, or merged into the base
+weights and written as above (``export.lora``).
+
 Output goes to a local folder or, through a local staging folder one file at a time, to ``gs://``.
 """
 
@@ -25,8 +28,10 @@ from pathlib import Path
 from typing import Literal
 
 from wanloom_api.metrics import EXPERT_LABELS
+from wanloom_api.trainingjob import LoraSpec
 from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS, WanVariant
+from wanloom_trainer.export.lora import MergedTensors, base_weights, is_lora, write_lora_files
 from wanloom_trainer.export.safetensors_out import DTYPES, TensorEntry, write_safetensors
 from wanloom_trainer.export.sources import CheckpointTensors
 from wanloom_trainer.export.wan_keys import wan_key
@@ -190,12 +195,26 @@ def export_checkpoint(
         )
     files: dict[str, list[str]] = {}
     with _destination(out) as dest:
-        for expert in range(source.experts):
+        for expert in source.expert_ids:
             label = EXPERT_LABELS[expert]
             if fmt == "diffusers":
                 files[label] = _write_diffusers(source, expert, variant, dest, dtype, max_shard_bytes)
             else:
                 files[label] = _write_wan(source, expert, name, dest, dtype)
+    return Exported(out=out, step=source.step, files=files)
+
+
+def export_adapters(
+    source: CheckpointTensors, variant: WanVariant, lora: LoraSpec, *, fmt: Format, out: str, name: str,
+    dtype: str = "bfloat16", **_: object,
+) -> Exported:  # fmt: skip
+    """Write a LoRA checkpoint's adapters to ``out`` in layout ``fmt`` (``export.lora``)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: valid: {', '.join(FORMATS)}")
+    _check_dtype(dtype)
+    experts = 2 if variant.two_experts else 1
+    with _destination(out) as dest:
+        files = write_lora_files(source, lora, fmt=fmt, dest=dest, name=name, dtype=dtype, experts=experts)
     return Exported(out=out, step=source.step, files=files)
 
 
@@ -205,10 +224,31 @@ def export_from(
     *,
     step: int | None = None,
     ema: bool = False,
+    lora: LoraSpec | None = None,
+    merge: bool = False,
+    weights: str | None = None,
     **options: object,
 ) -> Exported:
-    """Open the checkpoint at ``step`` (default: latest) under ``checkpoint_uri`` and ``export_checkpoint`` it."""
+    """Open the checkpoint at ``step`` (default: latest) under ``checkpoint_uri`` and export it: full weights with
+    ``export_checkpoint``; a LoRA job's adapters (``lora``: its ``spec.lora``) with ``export_adapters``, or with
+    ``merge`` folded into its base ``weights`` (``spec.model.weights``) as full weights.
+
+    Raises:
+        ValueError: ``merge`` of a full checkpoint, adapters without ``lora``, or ``merge`` without ``weights``.
+    """
     from wanloom_trainer.export.sources import open_checkpoint
 
     with open_checkpoint(checkpoint_uri, step=step, ema=ema) as source:
-        return export_checkpoint(source, variant, **options)
+        if not is_lora(source):
+            if merge:
+                raise ValueError("--merge folds LoRA adapters into their base: this checkpoint holds full weights")
+            return export_checkpoint(source, variant, **options)
+        if lora is None:
+            raise ValueError(f"{checkpoint_uri} holds LoRA adapters but the TrainingJob has no spec.lora")
+        if not merge:
+            return export_adapters(source, variant, lora, **options)
+        with (
+            tempfile.TemporaryDirectory(prefix="wanloom-base-") as staging,
+            base_weights(weights, variant, Path(staging)) as base,
+        ):
+            return export_checkpoint(MergedTensors(base, source, lora), variant, **options)

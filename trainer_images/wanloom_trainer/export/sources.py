@@ -33,11 +33,13 @@ _ORBAX_STEP = re.compile(r"^(\d+)$")
 
 
 class CheckpointTensors(Protocol):
-    """One checkpoint's weights for export: ``experts`` of them, each a list of diffusers-named tensors."""
+    """One checkpoint's weights for export: ``experts`` of them, each a list of diffusers-named tensors, under their
+    routing ids ``expert_ids`` (a LoRA job that adapted one expert saved only that one)."""
 
     uri: str
     step: int
     experts: int
+    expert_ids: tuple[int, ...]
 
     def entries(self, expert: int) -> list[TensorEntry]: ...
 
@@ -143,7 +145,7 @@ class _OrbaxTensors:
             if ema:
                 raise _missing_ema(uri, step)
             raise ValueError(f"{self._dir}: no model parameters in this checkpoint (not a wanloom JAX checkpoint?)")
-        self.experts = len(self._arrays)
+        self.experts, self.expert_ids = len(self._arrays), tuple(sorted(self._arrays))
 
     def entries(self, expert: int) -> list[TensorEntry]:
         return self._entries[expert]
@@ -180,7 +182,7 @@ class _DcpTensors:
             if ema:
                 raise _missing_ema(uri, step)
             raise ValueError(f"{folder}: no model parameters in this checkpoint (not a wanloom PyTorch checkpoint?)")
-        self.experts = len(self._tensors)
+        self.experts, self.expert_ids = len(self._tensors), tuple(sorted(self._tensors))
 
     @classmethod
     @contextmanager

@@ -10,24 +10,22 @@ device reads only its own slice of the mapped file (``jax.make_array_from_callba
 hosts); without one, the tensor goes to the default device with ``jax.device_put``. Host memory therefore never
 holds more than one tensor beyond the page cache, and never a second copy of the model.
 
-The safetensors header is parsed here (8-byte little-endian length, then JSON with dtype, shape and byte offsets)
-rather than through ``safe_open(framework="numpy")``, which cannot return bfloat16 tensors.
+The files are read by ``checkpoint.safetensors_files`` (bfloat16 tensors as ``ml_dtypes`` views).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from wanloom_api.metrics import EXPERT_LABELS
+from wanloom_trainer.checkpoint.safetensors_files import SafetensorsFile, checkpoint_files
 from wanloom_trainer.config import variants
 from wanloom_trainer.config.variants import VARIANTS, WanVariant
 from wanloom_trainer.model.params import ShardingSpec, param_name, sharding_for
@@ -36,14 +34,7 @@ from wanloom_trainer.model.wan_jax import WanTransformer3DModel, abstract_model
 EXPERT_SUBFOLDERS = dict(zip(EXPERT_LABELS, variants.EXPERT_SUBFOLDERS, strict=True))
 # Keys diffusers itself ignores when loading a Wan transformer.
 IGNORED_KEY_PARTS = ("norm_added_q",)
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-}
+_LORA_KEYS = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight"}  # NNX leaf -> diffusers LoRA key
 _VARIANT_KEYS = (
     "ffn_dim",
     "num_layers",
@@ -58,54 +49,17 @@ _VARIANT_KEYS = (
 Transform = Callable[[np.ndarray], np.ndarray]
 
 
-class SafetensorsFile:
-    """A memory-mapped ``.safetensors`` file; ``tensor(key)`` is a zero-copy view into the mapping."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        self._entries: dict[str, dict] = header
-        self._data_start = 8 + header_len
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
-
-    def keys(self) -> list[str]:
-        return list(self._entries)
-
-    def tensor(self, key: str) -> np.ndarray:
-        entry = self._entries[key]
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"{self.path}: tensor {key!r} has dtype {entry['dtype']}; supported: {', '.join(_DTYPES)}")
-        begin, end = (self._data_start + offset for offset in entry["data_offsets"])
-        return self._map[begin:end].view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-
-def checkpoint_files(folder: Path) -> dict[str, Path]:
-    """Map every tensor key of a diffusers model folder to the shard file that holds it."""
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise ValueError(f"{folder}: more than one safetensors index: {[p.name for p in indexes]}")
-    if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        return {key: folder / name for key, name in weight_map.items()}
-    singles = sorted(folder.glob("*.safetensors"))
-    if len(singles) != 1:
-        raise FileNotFoundError(
-            f"{folder}: expected one *.safetensors file or a *.safetensors.index.json, "
-            f"found {[p.name for p in singles]}"
-        )
-    return dict.fromkeys(SafetensorsFile(singles[0]).keys(), singles[0])
-
-
 def diffusers_key(name: str, ndim: int) -> tuple[str, Transform]:
     """Checkpoint key and layout change for one NNX parameter name (see ``params.param_name``).
 
     Linear kernels are stored transposed (torch ``[out, in]`` vs ``[in, out]``); the Conv3d patch embedding is
-    ``[out, in, t, h, w]`` in torch and ``[t, h, w, in, out]`` here; norm ``scale`` is torch's ``weight``.
+    ``[out, in, t, h, w]`` in torch and ``[t, h, w, in, out]`` here; norm ``scale`` is torch's ``weight``; LoRA's
+    ``lora_a`` [in, r] / ``lora_b`` [r, out] are a diffusers LoRA file's ``lora_A.weight`` / ``lora_B.weight``,
+    transposed (``model.lora_jax``).
     """
     prefix, _, leaf = name.rpartition(".")
+    if leaf in _LORA_KEYS:
+        return f"{prefix}.{_LORA_KEYS[leaf]}", np.transpose
     if leaf == "kernel" and ndim == 5:
         return f"{prefix}.weight", lambda w: np.transpose(w, (2, 3, 4, 1, 0))
     if leaf == "kernel":
@@ -121,7 +75,7 @@ def torch_axes(name: str, ndim: int) -> tuple[int, ...]:
     leaf = name.rpartition(".")[2]
     if leaf == "kernel" and ndim == 5:
         return (4, 3, 0, 1, 2)
-    if leaf == "kernel":
+    if leaf == "kernel" or leaf in _LORA_KEYS:
         return tuple(reversed(range(ndim)))
     return tuple(range(ndim))
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from wanloom_api.trainingjob import LoraSpec
 from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.kernels import ADALN_IMPLS
 from wanloom_trainer.model.attention import (
@@ -464,12 +465,23 @@ def _check_timestep(timestep: jax.Array, batch: int, seq: int) -> jax.Array:
     return timestep.astype(FP32)
 
 
-def abstract_model(variant: WanVariant, **model_kwargs: object) -> WanTransformer3DModel:
+def abstract_model(
+    variant: WanVariant, *, lora: LoraSpec | None = None, **model_kwargs: object
+) -> WanTransformer3DModel:
     """The model with ``jax.ShapeDtypeStruct`` values: shapes and dtypes only, no memory (any size, even A14B).
 
-    ``model_kwargs`` are the constructor's keyword arguments other than ``rngs``.
+    ``lora``: with LoRA adapters (``model.lora_jax``). ``model_kwargs`` are the constructor's keyword arguments other
+    than ``rngs``.
     """
-    return nnx.eval_shape(lambda: WanTransformer3DModel(variant, rngs=nnx.Rngs(0), **model_kwargs))
+    return nnx.eval_shape(lambda: _with_lora(WanTransformer3DModel(variant, rngs=nnx.Rngs(0), **model_kwargs), lora, 0))
+
+
+def _with_lora(model: WanTransformer3DModel, lora: LoraSpec | None, seed: int) -> WanTransformer3DModel:
+    if lora is None:
+        return model
+    from wanloom_trainer.model.lora_jax import add_lora
+
+    return add_lora(model, lora, seed=seed)
 
 
 def state_shardings(abstract: nnx.Module, shardings: ShardingSpec) -> nnx.State:
@@ -482,7 +494,13 @@ def state_shardings(abstract: nnx.Module, shardings: ShardingSpec) -> nnx.State:
 
 
 def init_model(
-    variant: WanVariant, *, seed: int = 0, shardings: ShardingSpec = None, **model_kwargs: object
+    variant: WanVariant,
+    *,
+    seed: int = 0,
+    shardings: ShardingSpec = None,
+    lora: LoraSpec | None = None,
+    lora_seed: int = 0,
+    **model_kwargs: object,
 ) -> WanTransformer3DModel:
     """Randomly initialised model whose parameters are created already sharded (``init`` runs under ``jit`` with
     ``out_shardings``), so no device or host ever holds the whole model when ``shardings`` shards it.
@@ -492,13 +510,31 @@ def init_model(
         seed: initialisation seed.
         shardings: ``ShardingSpec`` (rule ``(name, abstract) -> Sharding | None`` or mapping name → Sharding);
             None places everything on the default device.
+        lora, lora_seed: LoRA adapters (``model.lora_jax``) and the seed of their initial values.
         model_kwargs: the constructor's other keyword arguments (param_dtype, compute_dtype, remat, ...).
     """
-    graphdef, abstract_state = nnx.split(abstract_model(variant, **model_kwargs))
+    graphdef, abstract_state = nnx.split(abstract_model(variant, lora=lora, **model_kwargs))
     out_shardings = None if shardings is None else state_shardings(nnx.merge(graphdef, abstract_state), shardings)
 
     @functools.partial(jax.jit, out_shardings=out_shardings)
     def _init() -> nnx.State:
-        return nnx.state(WanTransformer3DModel(variant, rngs=nnx.Rngs(seed), **model_kwargs))
+        model = WanTransformer3DModel(variant, rngs=nnx.Rngs(seed), **model_kwargs)
+        return nnx.state(_with_lora(model, lora, lora_seed))
 
     return nnx.merge(graphdef, _init())
+
+
+def with_lora(
+    model: WanTransformer3DModel, lora: LoraSpec, *, seed: int, shardings: ShardingSpec = None
+) -> WanTransformer3DModel:
+    """A loaded model with LoRA adapters added (their initial values from ``seed``), every parameter placed by
+    ``shardings``: the base's arrays pass through the jit unchanged."""
+    graphdef, state = nnx.split(model)
+    target_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _with_lora(nnx.merge(graphdef, state), lora, seed)))
+    out_shardings = None if shardings is None else state_shardings(nnx.merge(target_graphdef, abstract), shardings)
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
+    def _add(state: nnx.State) -> nnx.State:
+        return nnx.state(_with_lora(nnx.merge(graphdef, state), lora, seed))
+
+    return nnx.merge(target_graphdef, _add(state))

@@ -11,6 +11,9 @@ The high-noise expert (diffusers ``transformer/``) takes ``t ≥ boundary_ratio 
   of t is therefore exactly the configured one; the PR's ``uniform() > boundary_ratio`` only matches it for an
   unshifted uniform sampler.
 
+With ``only`` (LoRA on one expert, ``spec.lora.experts``) every draw comes from the configured distribution
+restricted to that expert's band, as a per-batch step of that expert would: every sample trains it.
+
 Draws are a pure function of (seed, step, n): a resumed run replays them.
 """
 
@@ -45,17 +48,21 @@ class Router:
         boundary_ratio: fraction of the 1000-step schedule above which the high-noise expert runs; ``None`` for
             single-model variants (everything goes to expert 0).
         mode: ``per-sample`` or ``per-batch``.
+        only: HIGH_NOISE or LOW_NOISE to route every sample to that expert (module docstring); None: both.
     """
 
     sampler: TimestepSampler
     boundary_ratio: float | None
     mode: Literal["per-sample", "per-batch"] = "per-sample"
+    only: int | None = None
 
     def __post_init__(self) -> None:
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
             raise ValueError(f"boundary_ratio must lie in (0, 1), got {self.boundary_ratio}")
         if self.mode not in ("per-sample", "per-batch"):
             raise ValueError(f"routing mode {self.mode!r} is not one of 'per-sample', 'per-batch'")
+        if self.only is not None and (self.boundary_ratio is None or self.only not in (HIGH_NOISE, LOW_NOISE)):
+            raise ValueError(f"routing to one expert ({self.only}) needs two experts and an expert id of 0 or 1")
 
     @property
     def boundary_timestep(self) -> float | None:
@@ -66,6 +73,8 @@ class Router:
         """Expected fraction of samples routed to the high-noise expert (1 for single-model variants)."""
         if self.boundary_timestep is None:
             return 1.0
+        if self.only is not None:
+            return 1.0 if self.only == HIGH_NOISE else 0.0
         return 1.0 - self.sampler.cdf_t(self.boundary_timestep)
 
     def draw(self, seed: int, step: int, n: int) -> RoutingDraw:
@@ -74,11 +83,11 @@ class Router:
         if self.boundary_timestep is None:
             t = self.sampler.timesteps(rng.random(n))
             return RoutingDraw(t, np.full(n, HIGH_NOISE, dtype=np.int8))
-        if self.mode == "per-sample":
+        if self.mode == "per-sample" and self.only is None:
             t = self.sampler.timesteps(rng.random(n))
             return RoutingDraw(t, self.expert_of(t))
         u_boundary = self.sampler.cdf_t(self.boundary_timestep)
-        is_high = rng.random() >= u_boundary
+        is_high = rng.random() >= u_boundary if self.only is None else self.only == HIGH_NOISE
         lo, hi = (u_boundary, 1.0) if is_high else (0.0, u_boundary)
         t = self.sampler.timesteps(lo + (hi - lo) * rng.random(n))
         # The inverse CDF is exact up to float32 rounding at the band edge; clamp so the band holds.

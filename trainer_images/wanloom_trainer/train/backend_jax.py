@@ -1,7 +1,11 @@
 """The JAX backend (``train.backend.Backend``): both experts resident and FSDP-sharded on one mesh.
 
 State: ``JaxState(params, opt)``, one entry per expert (0 = high noise, 1 = low noise), float32 master
-parameters and AdamW moments sharded by ``parallel.mesh_jax.ShardingConfig.param``. Shapes come first from
+parameters and AdamW moments sharded by ``parallel.mesh_jax.ShardingConfig.param``. With ``spec.lora`` the trained
+``params`` are the experts' adapters (``model.lora_jax``) and the base is ``frozen``: sharded alike, in its parameter
+dtype, never in the optimizer, the EMA or a checkpoint (it is ``model.weights``, loaded at every start). Both
+experts carry adapters; with ``lora.experts`` naming one the other gets no samples, so its adapters stay zero (the
+export writes only the trained expert's). Shapes come first from
 ``jax.eval_shape`` and everything is created by jitted functions with ``out_shardings``, so no process ever holds an
 unsharded expert; a restore reads straight into that layout without initialising first.
 
@@ -53,6 +57,7 @@ class JaxState:
     params: tuple[Any, ...]
     opt: tuple[Any, ...]
     ema: tuple[Any, ...] = ()
+    frozen: tuple[Any, ...] = ()  # LoRA: the base parameters' leaves per expert; full training: empty
 
 
 def use_gspmd_for_sequence_sharding() -> None:
@@ -129,9 +134,10 @@ class JaxBackend:
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.num_devices = self.mesh.size
         self._tx = moment_transform(config.optimizer)
-        self._graphdef, abstract_params = nnx.split(self._abstract_model(), nnx.Param)
+        self._graphdef, abstract_params, *abstract_frozen = nnx.split(self._abstract_model(), *self._filters)
         # In the hot loop parameters are flat lists of leaves (StepFns); nnx.State only at checkpoints.
         abstract_leaves, self._treedef = jax.tree.flatten(abstract_params)
+        self._frozen_treedef = jax.tree.structure(abstract_frozen[0]) if abstract_frozen else None
         self._param_shardings = [a.sharding for a in abstract_leaves]
         self._opt_shardings = optax.tree_utils.tree_map_params(
             self._tx,
@@ -148,6 +154,7 @@ class JaxBackend:
             self._graphdef,
             config.optimizer,
             treedef=self._treedef,
+            frozen_treedef=self._frozen_treedef,
             param_shardings=self._param_shardings,
             opt_shardings=self._opt_shardings,
             replicated=self.shardings.replicated,
@@ -160,6 +167,11 @@ class JaxBackend:
             self._checkpointer = OrbaxCheckpointer(config.checkpoint)
 
     # -- model ---------------------------------------------------------------------------------------------------
+
+    @property
+    def _filters(self) -> tuple[Any, ...]:
+        """The model's state as (trained, frozen): all parameters, or LoRA's adapters and the base."""
+        return (nnx.LoRAParam, nnx.Param) if self.config.lora is not None else (nnx.Param,)
 
     def _model_kwargs(self) -> dict[str, Any]:
         m = self.config.model
@@ -192,7 +204,7 @@ class JaxBackend:
         """The model with ``ShapeDtypeStruct`` parameters that carry their target shardings."""
         from wanloom_trainer.model.wan_jax import abstract_model
 
-        model = abstract_model(self.config.model.wan, **self._model_kwargs())
+        model = abstract_model(self.config.model.wan, lora=self.config.lora, **self._model_kwargs())
         graphdef, state = nnx.split(model)
         placed = nnx.from_flat_state(
             [(path, self._placed(path, var.get_value())) for path, var in nnx.to_flat_state(state)]
@@ -205,18 +217,24 @@ class JaxBackend:
         sharding = self.shardings.param(param_name(path), abstract)
         return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
 
-    def _expert_params(self, expert: int) -> Any:
-        """Expert ``expert``'s parameters, created (or loaded) directly into their shardings."""
-        rule = self.shardings.param
-        if self.config.model.weights is None:
-            from wanloom_trainer.model.wan_jax import init_model
+    def _expert_params(self, expert: int) -> tuple[Any, Any]:
+        """Expert ``expert``'s (trained, frozen) parameters (frozen: None in full training), created (or loaded)
+        directly into their shardings."""
+        from wanloom_trainer.model.wan_jax import init_model, with_lora
 
-            # Distinct, reproducible initialisations per expert from the one training seed.
-            seed = int(np.random.SeedSequence([self.config.seed, expert]).generate_state(1)[0] >> 1)
-            model = init_model(self.config.model.wan, seed=seed, shardings=rule, **self._model_kwargs())
+        rule, lora = self.shardings.param, self.config.lora
+        # Distinct, reproducible initialisations per expert (and per expert's adapters) from the one training seed.
+        seed, lora_seed = (int(np.random.SeedSequence([self.config.seed, n]).generate_state(1)[0] >> 1)
+                           for n in (expert, 100 + expert))  # fmt: skip
+        if self.config.model.weights is None:
+            model = init_model(self.config.model.wan, seed=seed, shardings=rule, lora=lora, lora_seed=lora_seed,
+                               **self._model_kwargs())  # fmt: skip
         else:
             model = self._load_expert(expert, rule)
-        return nnx.split(model, nnx.Param)[1]
+            if lora is not None:
+                model = with_lora(model, lora, seed=lora_seed, shardings=rule)
+        trained, *frozen = nnx.split(model, *self._filters)[1:]
+        return trained, frozen[0] if frozen else None
 
     def _load_expert(self, expert: int, rule: Any) -> nnx.Module:
         from pathlib import Path
@@ -242,10 +260,19 @@ class JaxBackend:
         return sorted({r for index in index_map.values() for r in range(*index[0].indices(num_ranks))})
 
     def init_state(self) -> JaxState:
-        params = tuple(jax.tree.leaves(self._expert_params(e)) for e in range(self.config.model.num_experts))
+        experts = [self._expert_params(e) for e in range(self.config.model.num_experts)]
+        params = tuple(jax.tree.leaves(trained) for trained, _ in experts)
         init_opt = jax.jit(self._tx.init, out_shardings=self._opt_shardings)
         ema = tuple(self.step_fns.ema_init(p) for p in params) if self.config.optimizer.ema else ()
-        return JaxState(params=params, opt=tuple(init_opt(p) for p in params), ema=ema)
+        frozen = self._frozen_leaves(experts)
+        return JaxState(params=params, opt=tuple(init_opt(p) for p in params), ema=ema, frozen=frozen)
+
+    @staticmethod
+    def _frozen_leaves(experts: Sequence[tuple[Any, Any]]) -> tuple[Any, ...]:
+        return tuple(jax.tree.leaves(frozen) for _, frozen in experts) if experts[0][1] is not None else ()
+
+    def _frozen(self, state: JaxState, expert: int) -> Any:
+        return state.frozen[expert] if state.frozen else []
 
     def accumulate_gradients(
         self, state: JaxState, slots: Sequence[Slot]
@@ -263,7 +290,9 @@ class JaxBackend:
             if grads[e] is None:
                 grads[e] = self.step_fns.zeros(state.params[e])
             batch, max_segment = self._device_batch(slot)
-            grads[e], loss = self.step_fns.accumulate(state.params[e], grads[e], batch, max_segment)
+            grads[e], loss = self.step_fns.accumulate(
+                state.params[e], self._frozen(state, e), grads[e], batch, max_segment
+            )
             loss_sums[e].append(float(loss))
             seconds.append(time.perf_counter() - started)
             compiled.append(self._programs() != programs)
@@ -305,27 +334,28 @@ class JaxBackend:
             slot_compiled,
             compile_seconds=CompileClock.read() - compiling,
         )
-        return JaxState(tuple(params), tuple(opt), ema), outputs
+        return JaxState(tuple(params), tuple(opt), ema, state.frozen), outputs
 
     def evaluate(self, state: JaxState, slot: Slot) -> float:
         """Σ weights·loss of one slot through its expert, without gradients (same loss as training)."""
         batch, max_segment = self._device_batch(slot)
-        return float(self.step_fns.evaluate(state.params[slot.expert], batch, max_segment))
+        return float(self.step_fns.evaluate(state.params[slot.expert], self._frozen(state, slot.expert), batch,
+                                            max_segment))  # fmt: skip
 
     def predict(self, state: JaxState, expert: int, x: np.ndarray, t: np.ndarray, text: np.ndarray) -> np.ndarray:
         """Replicated inputs through the FSDP-sharded expert (XLA gathers the weights as in training)."""
         if self._predict is None:
-            graphdef, treedef = self._graphdef, self._treedef
+            model_of = self.step_fns.model_of
 
-            def forward(params: Any, x: jax.Array, t: jax.Array, text: jax.Array) -> jax.Array:
-                return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))(x, t, text).astype(jnp.float32)
+            def forward(params: Any, frozen: Any, x: jax.Array, t: jax.Array, text: jax.Array) -> jax.Array:
+                return model_of(params, frozen)(x, t, text).astype(jnp.float32)
 
             self._predict = jax.jit(forward, out_shardings=self.shardings.replicated)
         placed = [
             jax.make_array_from_callback(a.shape, self.shardings.replicated, lambda index, a=a: a[index])
             for a in (x.astype(np.float32), t.astype(np.float32), text.astype(np.float32))
         ]
-        out = self._predict(state.params[expert], *placed)
+        out = self._predict(state.params[expert], self._frozen(state, expert), *placed)
         return np.asarray(out.addressable_data(0))
 
     def save(self, state: JaxState, next_step: int, meta: Mapping[str, Any]) -> float:
@@ -347,7 +377,14 @@ class JaxBackend:
         template = self._as_tree(state) if state is not None else self.abstract_state()
         tree, meta = self._checkpointer.restore(step, template)
         ema = tuple(jax.tree.leaves(a) for a in tree.get("ema", ()))
-        return Restored(JaxState(*self.flat_state(tree["params"], tree["opt"]), ema=ema), step, meta)
+        frozen = ()
+        if self.config.lora is not None:  # the base is not in the checkpoint: it is model.weights, loaded again
+            frozen = (
+                state.frozen
+                if state is not None
+                else self._frozen_leaves([self._expert_params(e) for e in range(self.config.model.num_experts)])
+            )
+        return Restored(JaxState(*self.flat_state(tree["params"], tree["opt"]), ema=ema, frozen=frozen), step, meta)
 
     def flat_state(self, params: Sequence[Any], opt: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Per expert ``nnx.State`` parameters and optimizer states (``abstract_state``, checkpoints) → what
@@ -371,7 +408,7 @@ class JaxBackend:
     def abstract_state(self) -> dict[str, Any]:
         """``{"params": [...], "opt": [...]}`` per expert as sharded ``ShapeDtypeStruct``s in ``nnx.State`` structure
         (restore templates; ``flat_state`` turns them into ``StepFns`` arguments for AOT compiles)."""
-        _, params = nnx.split(self._abstract_model(), nnx.Param)
+        params = nnx.split(self._abstract_model(), *self._filters)[1]
         shapes, shardings = jax.tree.leaves(jax.eval_shape(self._tx.init, params)), jax.tree.leaves(self._opt_shardings)
         opt = jax.tree.unflatten(
             self._opt_treedefs[1],
@@ -383,6 +420,12 @@ class JaxBackend:
             ema = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), params)
             tree["ema"] = [ema] * n
         return tree
+
+    def abstract_frozen(self) -> list[Any]:
+        """One expert's frozen parameters (LoRA's base) as sharded ``ShapeDtypeStruct`` leaves; [] in full
+        training (AOT compiles)."""
+        parts = nnx.split(self._abstract_model(), *self._filters)
+        return jax.tree.leaves(parts[2]) if len(parts) > 2 else []
 
     def gather_floats(self, value: float) -> list[float]:
         return self.gather_rows([value])[:, 0].tolist()

@@ -9,6 +9,11 @@ expert. One process drives one device and feeds one data-parallel rank (context-
 A step runs the plan's slots in order: slot k goes through expert ``slot.expert`` on every rank (the per-rank
 layout keeps experts in lockstep, so each expert's all-gathers and reduce-scatters match), gradients accumulate in
 the sharded ``.grad`` and are summed over ranks, then every expert with samples takes one AdamW step.
+
+With ``spec.lora`` an adapted expert's base is frozen in its parameter dtype and only its float32 adapters
+(``model.lora_torch``) train: they alone have gradients, AdamW moments, EMA weights and checkpoint entries (the base
+comes from ``model.weights`` at every start). An expert without adapters (``lora.experts`` naming the other) is
+frozen whole and has no optimizer: the router sends it no samples.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from wanloom_trainer.checkpoint.gcs import stage_weights
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.distributed_torch import destroy_process_group, init_process_group
+from wanloom_trainer.model.lora_torch import add_lora, freeze
 from wanloom_trainer.model.wan_torch import (
     apply_adaln_impl,
     build_expert,
@@ -61,7 +67,7 @@ class TorchState:
     ``spec.optimizer.ema`` the float32 average of its parameters by name (sharded like them; else empty)."""
 
     experts: tuple[nn.Module, ...]
-    optimizers: tuple[torch.optim.AdamW, ...]
+    optimizers: tuple[torch.optim.AdamW | None, ...]  # None: an expert with nothing to train (LoRA on the other)
     ema: tuple[dict[str, torch.Tensor], ...] = ()
 
 
@@ -86,6 +92,9 @@ class TorchBackend:
             # CPU runs train tiny models, whose ops are far too small for intra-op threads: with two OpenMP
             # threads per process a step on a busy 2-core host ran ~25x slower than with one (181 vs 7 ms).
             torch.set_num_threads(1)
+        # The one random stream a step draws from (LoRA dropout) starts from the job's seed on every rank, and
+        # checkpoints carry it on: a rerun and a resumed run draw the same masks.
+        torch.manual_seed(expert_seed(config.seed, 1000 + self.proc.rank))
         self.mesh = build_torch_mesh(config.parallel, self.proc.world_size, self.device.type)
         self.dp_rank, self.dp_size = self.mesh.data_parallel_rank()
         self.process_index, self.process_count = self.proc.rank, self.proc.world_size
@@ -105,13 +114,16 @@ class TorchBackend:
         """Rank 0's full fp32 weights of one expert: the diffusers folder, or a seeded random initialisation."""
         variant, weights = self.config.model.wan, self.config.model.weights
         if weights is None:
-            return build_expert(variant, seed=expert_seed(self.config.seed, expert)).state_dict()
-        if weights.startswith("gs://"):
-            # Rank 0 alone reads full weights (it broadcasts them into the FSDP shards).
-            local_root = Path(self.config.run_dir) / "weights"
-            weights = str(stage_weights(weights, local_root, expert_subfolders(self.config.model.wan)))
-        folder = Path(weights) / expert_subfolders(self.config.model.wan)[expert]
-        return load_expert(folder, variant).state_dict()
+            model = build_expert(variant, seed=expert_seed(self.config.seed, expert))
+        else:
+            if weights.startswith("gs://"):
+                # Rank 0 alone reads full weights (it broadcasts them into the FSDP shards).
+                local_root = Path(self.config.run_dir) / "weights"
+                weights = str(stage_weights(weights, local_root, expert_subfolders(self.config.model.wan)))
+            model = load_expert(Path(weights) / expert_subfolders(self.config.model.wan)[expert], variant)
+        if self.config.adapted_experts[expert]:  # the adapters' initial values travel with the base weights
+            add_lora(model, self.config.lora, seed=expert_seed(self.config.seed, 100 + expert))
+        return model.state_dict()
 
     def _build_expert(self, expert: int) -> nn.Module:
         variant = self.config.model.wan
@@ -122,6 +134,10 @@ class TorchBackend:
             model.set_attention_backend(attention)
         if self.precision.param_dtype != torch.float32:
             model.to(self.precision.param_dtype)  # bf16 masters: FSDP2 needs one dtype per sharded group
+        if self.config.lora is not None:  # frozen base (any dtype), float32 adapters: FSDP2 checks trainable ones
+            freeze(model)
+            if self.config.adapted_experts[expert]:
+                add_lora(model, self.config.lora, seed=0)  # on meta: the values come from rank 0's state dict
         parallelize_wan(
             model,
             mesh=self.mesh,
@@ -155,7 +171,10 @@ class TorchBackend:
 
     def init_state(self) -> TorchState:
         experts = tuple(self._build_expert(e) for e in range(len(self.names)))
-        optimizers = tuple(make_adamw(m.parameters(), self.config.optimizer) for m in experts)
+        optimizers = tuple(
+            make_adamw(m.parameters(), self.config.optimizer) if trains else None
+            for m, trains in zip(experts, self._trains, strict=True)
+        )
         ema = tuple(ema_init(m) for m in experts) if self.config.optimizer.ema is not None else ()
         return TorchState(experts, optimizers, ema)
 
@@ -171,6 +190,8 @@ class TorchBackend:
             slot_seconds.append(time.perf_counter() - started)
         norms: list[float | None] = [None] * len(state.experts)
         for e, (model, optimizer) in enumerate(zip(state.experts, state.optimizers, strict=True)):
+            if optimizer is None:  # nothing of it trains (LoRA on the other expert): it never gets samples
+                continue
             if inputs.expert_samples[e] > 0:
                 norms[e] = update(model, optimizer, inputs.learning_rates[e], self.config.optimizer.clip_grad_norm)
             else:  # no samples anywhere this step: parameters and moments stay exactly as they were
@@ -178,7 +199,8 @@ class TorchBackend:
         if self.config.optimizer.ema is not None:
             decay = ema_decay(self.config.optimizer.ema, inputs.step)
             for model, average in zip(state.experts, state.ema, strict=True):
-                ema_update(average, model, decay)
+                if average:  # an expert that does not train has nothing to average
+                    ema_update(average, model, decay)
         totals = self._sum_over_data_parallel(loss_sums)
         outputs = tuple(
             ExpertOutputs(inputs.expert_samples[e], float(totals[e]), norms[e], inputs.learning_rates[e])
@@ -268,11 +290,20 @@ class TorchBackend:
             raise ValueError(f"slot for expert {slot.expert} has no rows for data-parallel rank {self.dp_rank}")
         return slot.ranks[self.dp_rank]
 
+    @property
+    def _trains(self) -> tuple[bool, ...]:
+        """Per expert: has it parameters to train (all of them, or with LoRA its adapters)?"""
+        return tuple(self.config.lora is None or a for a in self.config.adapted_experts)
+
     def _by_name(self, state: TorchState) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
-        return dict(zip(self.names, state.experts, strict=True)), dict(zip(self.names, state.optimizers, strict=True))
+        """The experts that train, by name (a frozen expert has nothing to checkpoint: it is its base weights)."""
+        experts = {n: m for n, m, t in zip(self.names, state.experts, self._trains, strict=True) if t}
+        optimizers = {n: o for n, o in zip(self.names, state.optimizers, strict=True) if o is not None}
+        return experts, optimizers
 
     def _ema_by_name(self, state: TorchState) -> dict[str, dict[str, torch.Tensor]]:
-        return dict(zip(self.names, state.ema, strict=True)) if state.ema else {}
+        """EMA weights of the experts that train (a frozen expert's average would be empty)."""
+        return {name: ema for name, ema in zip(self.names, state.ema, strict=True) if ema} if state.ema else {}
 
     def _sum_over_data_parallel(self, values: torch.Tensor) -> torch.Tensor:
         """Σ over data-parallel ranks: an all-reduce over every rank, divided by the context-parallel peers that
@@ -284,8 +315,9 @@ class TorchBackend:
 
 
 def _parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters by their state-dict (diffusers) name: activation checkpointing's wrapper adds a path component."""
-    return {name.replace(f"{_CHECKPOINT_WRAPPED}.", ""): p for name, p in model.named_parameters()}
+    """Trained parameters by their state-dict (diffusers) name: activation checkpointing's wrapper adds a path
+    component. With LoRA only the adapters train."""
+    return {name.replace(f"{_CHECKPOINT_WRAPPED}.", ""): p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def ema_init(model: nn.Module) -> dict[str, torch.Tensor]:

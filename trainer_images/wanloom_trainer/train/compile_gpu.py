@@ -9,7 +9,8 @@ rank gets of each bucket (``memoryBudgetTokens // tokens`` rows, the trainer's f
 gradients already accumulated, as in a step's later slots.
 
 Peak per device of a micro-batch = the traced peak + the other expert's resident state (its parameters, gradients
-and moments: both experts stay resident and both may hold gradients within a step). The AdamW update is sized apart:
+and moments: both experts stay resident and both may hold gradients within a step). A LoRA job traces an adapted
+expert: its base frozen, gradients and moments for the adapters alone. The AdamW update is sized apart:
 both experts' state plus one fp32 copy of the updated expert's shards (torch's foreach AdamW computes sqrt(v) for
 all of them at once; the tracker over-counts foreach ops on DTensors, so this one term is added by hand). A job fits
 when the peak plus ``RUNTIME_RESERVE_BYTES`` (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation)
@@ -205,12 +206,14 @@ def size_job(
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = _meshes(config, world)
     shapes = compile_shapes(config, pixels)
-    model = _expert(config, mesh)
+    trained = config.adapted_experts.index(True) if config.lora is not None else 0  # an expert that trains
+    model = _expert(config, mesh, trained)
     with FakeTensorMode(allow_non_fake_inputs=True):  # the meta-device parameters are its inputs
         model.to_empty(device="cpu")  # as TorchBackend materialises its meta-device model, here on fake tensors
         optimizer = make_adamw(model.parameters(), config.optimizer)
         for p in model.parameters():  # a later slot of the step: the expert's gradients are already there
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         micro_batches, resident = [], None
         for latent in shapes:
             latent = (int(latent[0]), int(latent[1]), int(latent[2]))
@@ -218,12 +221,14 @@ def size_job(
             resident = static
             micro_batches.append(micro)
     assert resident is not None
-    experts = config.model.num_experts
-    other = (experts - 1) * (resident["parameters"] + resident["gradients"] + resident["optimizer"])
+    # The other expert: alike, or with LoRA on one expert its frozen base alone (adapters are a rounding error).
+    trains = [config.lora is None or a for a in config.adapted_experts]
+    state = resident["parameters"] + resident["gradients"] + resident["optimizer"]
+    other = sum(state if t else resident["parameters"] for e, t in enumerate(trains) if e != trained)
     micro_batches = [dataclasses.replace(m, peak_bytes=m.peak_bytes + other) for m in micro_batches]
     # The update: both experts resident, plus sqrt(v) over the updated expert's shards (fp32, like its moments).
-    update = experts * (resident["parameters"] + resident["gradients"] + resident["optimizer"])
-    update += resident["optimizer"] // 2
+    update = state + other + resident["optimizer"] // 2
+    experts = config.model.num_experts
     return GpuSizingReport(
         job=job.metadata.name,
         accelerator=gpu.type,
@@ -233,8 +238,8 @@ def size_job(
         layers=config.model.wan.num_layers,
         capacity_bytes_per_device=capacity,
         parameter_bytes=experts * resident["parameters"],
-        gradient_bytes=experts * resident["gradients"],
-        optimizer_bytes=experts * resident["optimizer"],
+        gradient_bytes=sum(trains) * resident["gradients"],
+        optimizer_bytes=sum(trains) * resident["optimizer"],
         update_peak_bytes=update,
         micro_batches=micro_batches,
     )
@@ -247,13 +252,14 @@ def _meshes(config: TrainConfig, world: int) -> Any:
     return build_torch_mesh(config.parallel, world, "cpu")
 
 
-def _expert(config: TrainConfig, mesh: Any) -> Any:
-    """One expert as ``TorchBackend._build_expert`` makes it: on the meta device, patched and parallelised (real
-    device meshes: diffusers and FSDP read them), not yet materialised."""
+def _expert(config: TrainConfig, mesh: Any, expert: int) -> Any:
+    """Expert ``expert`` as ``TorchBackend._build_expert`` makes it: on the meta device, patched (LoRA: frozen, with
+    adapters) and parallelised (real device meshes: diffusers and FSDP read them), not yet materialised."""
     import torch
     from diffusers import WanTransformer3DModel
     from torch.distributed.fsdp import FSDPModule
 
+    from wanloom_trainer.model.lora_torch import add_lora
     from wanloom_trainer.model.wan_torch import apply_adaln_impl
     from wanloom_trainer.parallel.mesh_torch import MixedPrecision, apply_fsdp, parallelize_wan
     from wanloom_trainer.train.backend_torch import DTYPES
@@ -264,6 +270,8 @@ def _expert(config: TrainConfig, mesh: Any) -> Any:
     model = apply_adaln_impl(model, config.model.adaln)
     if precision.param_dtype != torch.float32:
         model.to(precision.param_dtype)
+    if config.lora is not None and config.adapted_experts[expert]:
+        add_lora(model, config.lora, seed=0)
     parallelize_wan(model, mesh=mesh, remat=config.model.remat, mixed_precision=precision)
     if not isinstance(model, FSDPModule):  # one GPU, one dtype: the trainer leaves it plain; the tracker needs FSDP
         apply_fsdp(model, mesh.fsdp, precision)

@@ -11,8 +11,9 @@ architecture and so one program: the gradient accumulation
 (forward + backward of a slot) and the AdamW update are compiled once each and their memory is added to what stays
 resident, both experts' parameters and optimizer states. No parameter is allocated.
 
-Peak per device = resident state of both experts + the program's arguments beyond the expert's own parameters (and,
-for the update, its optimizer state) + temporaries + outputs not aliased to inputs, from XLA's
+Peak per device = resident state of both experts (a LoRA job's: adapters, their optimizer state and the frozen base)
++ the program's arguments beyond the expert's own parameters (and, for the update, its optimizer state) +
+temporaries + outputs not aliased to inputs, from XLA's
 ``memory_analysis()``; the capacity is the HBM of one JAX device (``HBM_BYTES_PER_DEVICE``). ``cost_analysis()`` is
 not used: it omits Pallas kernels and counts a scan body once (MFU keeps the analytic FLOPs of ``flops.py``).
 """
@@ -243,14 +244,18 @@ def compile_job(
     backend = JaxBackend(config, devices=devices)
     state = backend.abstract_state()
     (params, *_), (opt, *_) = backend.flat_state(state["params"], state["opt"])
-    resident = sum(device_bytes(p) + device_bytes(o) for p, o in zip(state["params"], state["opt"], strict=True))
-    param_bytes, opt_bytes = device_bytes(params), device_bytes(opt)
+    frozen = backend.abstract_frozen()  # LoRA: the base, resident beside the adapters; else []
+    resident = sum(device_bytes(p) + device_bytes(o) + device_bytes(frozen)
+                   for p, o in zip(state["params"], state["opt"], strict=True))  # fmt: skip
+    param_bytes, opt_bytes = device_bytes(params) + device_bytes(frozen), device_bytes(opt)
     shapes = compile_shapes(config, pixels)
     programs = []
     for latent, tokens in zip(shapes, tokens_for_latents(config.model.wan, shapes), strict=True):
         rows = pad_rows(max(1, config.adaptive_load.memory_budget_tokens // int(tokens)))
         start = time.perf_counter()
-        compiled = backend.step_fns.accumulate.lower(params, params, _batch(backend, config, tuple(latent), rows))
+        compiled = backend.step_fns.accumulate.lower(
+            params, frozen, params, _batch(backend, config, tuple(latent), rows)
+        )
         compiled = compiled.compile()
         args, out, alias, temp = _memory(compiled)
         peak = resident - param_bytes + args + temp + out - alias
@@ -261,7 +266,7 @@ def compile_job(
         for name, row, groups, longest in packed_programs(config, tokens_for_latents(config.model.wan, shapes)):
             start = time.perf_counter()
             batch = _packed_batch(backend, config, row, groups)
-            lowered = backend.step_fns.accumulate.lower(params, params, batch, longest)
+            lowered = backend.step_fns.accumulate.lower(params, frozen, params, batch, longest)
             args, out, alias, temp = _memory(lowered.compile())
             peak = resident - param_bytes + args + temp + out - alias
             seconds = time.perf_counter() - start
@@ -270,7 +275,7 @@ def compile_job(
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=backend.shardings.replicated)
     compiled = backend.step_fns.update.lower(params, opt, params, lr).compile()
     args, out, alias, temp = _memory(compiled)
-    peak = resident - param_bytes - opt_bytes + args + temp + out - alias
+    peak = resident - (param_bytes - device_bytes(frozen)) - opt_bytes + args + temp + out - alias
     seconds = time.perf_counter() - start
     programs.append(ProgramMemory("update", (0, 0, 0), 0, 0, 0, seconds, args, out, alias, temp, peak))
     mesh = {name: int(size) for name, size in backend.mesh.shape.items()}

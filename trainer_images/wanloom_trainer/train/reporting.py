@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 _SHORT = {0: "hi", 1: "lo"}
 
 
-def plan_flops(plan: Any, variant: Any) -> float:
-    """Training FLOPs of a plan's real samples over all ranks (``StepPlan`` or ``LocalPlan``)."""
-    return sum(n * flops.train_flops_per_sample(variant, tokens) for tokens, n in plan.token_counts)
+def plan_flops(plan: Any, variant: Any, *, lora: bool = False) -> float:
+    """Training FLOPs of a plan's real samples over all ranks (``StepPlan`` or ``LocalPlan``); ``lora``: frozen base."""
+    return sum(n * flops.train_flops_per_sample(variant, tokens, lora=lora) for tokens, n in plan.token_counts)
 
 
 def step_log(
@@ -46,7 +46,7 @@ def step_log(
     n = plan.num_samples if num_samples is None else num_samples
     samples = {e: o.samples for e, o in enumerate(out.experts)}
     expert_loss = {e: o.loss_sum * n / o.samples for e, o in enumerate(out.experts) if o.samples}
-    model_flops = plan_flops(plan, config.model.wan)
+    model_flops = plan_flops(plan, config.model.wan, lora=config.lora is not None)
     mfu = None
     if config.accelerator_type is not None:
         mfu = flops.mfu(model_flops, step_time_s, num_devices, config.accelerator_type)

@@ -165,7 +165,7 @@ def export_final(config: TrainConfig) -> Any:
     spec = config.export
     exported = export_from(
         config.checkpoint.uri, config.model.wan, step=config.steps, ema=spec.ema, fmt=spec.format, out=spec.uri,
-        name=config.job_name, dtype=spec.dtype,
+        name=config.job_name, dtype=spec.dtype, lora=config.lora, merge=spec.merge, weights=config.model.weights,
     )  # fmt: skip
     log.info("exported the %s weights of step %d (%s, %s) to %s", "EMA" if spec.ema else "trained", exported.step,
              spec.format, spec.dtype, spec.uri)  # fmt: skip

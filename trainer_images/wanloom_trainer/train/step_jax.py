@@ -134,11 +134,12 @@ class StepFns:
     """The compiled pieces of a step for one model structure (shared by both experts)."""
 
     zeros: Callable[[Any], Any]
-    accumulate: Callable[[Any, Any, Batch], tuple[Any, jax.Array]]
+    accumulate: Callable[[Any, Any, Any, Batch], tuple[Any, jax.Array]]
     update: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, jax.Array]]
-    evaluate: Callable[[Any, Batch], jax.Array]
+    evaluate: Callable[[Any, Any, Batch], jax.Array]
     ema_update: Callable[[Any, Any, jax.Array], Any]
     ema_init: Callable[[Any], Any]
+    model_of: Callable[[Any, Any], nnx.Module]  # (trained, frozen) parameters → the model (inside a jit)
 
 
 def make_step_fns(
@@ -146,25 +147,36 @@ def make_step_fns(
     opt: OptimizerSpec,
     *,
     treedef: Any = None,
+    frozen_treedef: Any = None,
     param_shardings: Any = None,
     opt_shardings: Any = None,
     replicated: jax.sharding.Sharding | None = None,
 ) -> StepFns:
     """Jit the step's pieces. ``treedef``: when given, parameters cross the jit boundary as the flat list of
     leaves of that ``nnx.State`` structure (flattening and rebuilding an ``nnx.State`` at every call costs more host
-    time than a small step); None: as an ``nnx.State``. ``param_shardings`` / ``opt_shardings``: pytrees of
-    shardings mirroring the parameters (FSDP; gradients use the parameters') and the optimizer state; None lets XLA
-    propagate."""
+    time than a small step); None: as an ``nnx.State``. ``frozen_treedef``: the structure of the parameters that are
+    not trained (LoRA's base), passed beside the trained ones and never differentiated; None: every parameter
+    trains (the ``frozen`` arguments are then empty). ``param_shardings`` / ``opt_shardings``: pytrees of shardings
+    mirroring the trained parameters (FSDP; gradients use theirs; frozen ones keep the shardings they arrive with)
+    and the optimizer state; None lets XLA propagate."""
     tx = moment_transform(opt)
 
-    def loss_of(params: Any, batch: Batch, max_segment_tokens: int) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, params if treedef is None else jax.tree.unflatten(treedef, params))
+    def model_of(params: Any, frozen: Any) -> nnx.Module:
+        trained = params if treedef is None else jax.tree.unflatten(treedef, params)
+        if frozen_treedef is None:
+            return nnx.merge(graphdef, trained)
+        return nnx.merge(graphdef, trained, jax.tree.unflatten(frozen_treedef, frozen))
+
+    def loss_of(params: Any, frozen: Any, batch: Batch, max_segment_tokens: int) -> tuple[jax.Array, jax.Array]:
+        model = model_of(params, frozen)
         if "segment_ids" in batch:
             return packed_flow_matching_loss(model, batch, max_segment_tokens)
         return flow_matching_loss(model, batch)
 
-    def accumulate(params: Any, grads: Any, batch: Batch, max_segment_tokens: int = 0) -> tuple[Any, jax.Array]:
-        (loss_sum, _), g = jax.value_and_grad(loss_of, has_aux=True)(params, batch, max_segment_tokens)
+    def accumulate(
+        params: Any, frozen: Any, grads: Any, batch: Batch, max_segment_tokens: int = 0
+    ) -> tuple[Any, jax.Array]:
+        (loss_sum, _), g = jax.value_and_grad(loss_of, has_aux=True)(params, frozen, batch, max_segment_tokens)
         return jax.tree.map(jnp.add, grads, g), loss_sum
 
     def update(params: Any, opt_state: Any, grads: Any, lr: jax.Array) -> tuple[Any, Any, jax.Array]:
@@ -176,8 +188,8 @@ def make_step_fns(
     def zeros(params: Any) -> Any:
         return jax.tree.map(jnp.zeros_like, params)
 
-    def evaluate(params: Any, batch: Batch, max_segment_tokens: int = 0) -> jax.Array:
-        return loss_of(params, batch, max_segment_tokens)[0]
+    def evaluate(params: Any, frozen: Any, batch: Batch, max_segment_tokens: int = 0) -> jax.Array:
+        return loss_of(params, frozen, batch, max_segment_tokens)[0]
 
     def ema_update(ema: Any, params: Any, decay: jax.Array) -> Any:
         return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p.astype(jnp.float32) - e), ema, params)
@@ -190,8 +202,8 @@ def make_step_fns(
         zeros=jax.jit(zeros, out_shardings=param_shardings),
         accumulate=jax.jit(
             accumulate,
-            donate_argnums=(1,),
-            static_argnums=(3,),
+            donate_argnums=(2,),
+            static_argnums=(4,),
             out_shardings=(param_shardings, replicated) if sharded else None,
         ),
         update=jax.jit(
@@ -199,9 +211,10 @@ def make_step_fns(
             donate_argnums=(0, 1),
             out_shardings=(param_shardings, opt_shardings, replicated) if sharded else None,
         ),
-        evaluate=jax.jit(evaluate, static_argnums=(2,)),
+        evaluate=jax.jit(evaluate, static_argnums=(3,)),
         ema_update=jax.jit(ema_update, donate_argnums=(0,), out_shardings=param_shardings),
         ema_init=jax.jit(ema_init, out_shardings=param_shardings),
+        model_of=model_of,
     )
 
 

@@ -51,7 +51,7 @@ def compile_case(work: str, topology: str, slices: int, *degrees: int) -> dict:
         "weights": rows(),
     }
     start = time.perf_counter()
-    lowered = backend.step_fns.accumulate.lower(params, params, batch)
+    lowered = backend.step_fns.accumulate.lower(params, backend.abstract_frozen(), params, batch)
     compiled = lowered.compile()
     memory = compiled.memory_analysis()
     return {
