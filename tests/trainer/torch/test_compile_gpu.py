@@ -108,3 +108,17 @@ def test_context_parallelism_splits_the_activations(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         activations[name] = json.loads(proc.stdout)["micro_batches"][0]["activation_bytes"]
     assert 0.4 < activations["context"] / activations["fsdp"] < 0.65, activations
+
+
+def test_a_lora_job_keeps_gradients_and_moments_for_the_adapters_alone(tmp_path: Path) -> None:
+    """The A14B LoRA example job at one layer: a bfloat16 base resident, float32 gradients and AdamW moments only
+    for the rank-32 adapters, so the update needs next to nothing beyond the resident state."""
+    proc = _compile(str(ROOT / "jobs" / "t2v-a14b-lora-h100-1x8.yaml"), "--layers", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    breakdown = report["breakdown"]
+    base = 2 * _parameters("wan2.2-t2v-a14b", 1) * 2 / 8  # bfloat16, both experts, 8 GPUs
+    assert breakdown["parameters"] == pytest.approx(base, rel=0.05)
+    assert breakdown["gradients"] < 0.02 * breakdown["parameters"]
+    assert breakdown["optimizer"] == pytest.approx(2 * breakdown["gradients"], rel=0.01)
+    assert report["fits"] is True

@@ -48,6 +48,30 @@ def test_compile_reports_memory_and_fails_when_the_step_does_not_fit() -> None:
 
 
 @pytest.mark.slow
+def test_a_lora_job_compiles_with_its_frozen_base_resident_and_a_smaller_update(tmp_path: Path) -> None:
+    """spec.lora: the step differentiates the adapters only; the base stays resident beside them (counted) and the
+    update program holds the adapters' moments alone."""
+    pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is part of the dev install")
+    reports = {}
+    for name, lora in (("full", None), ("lora", {"rank": 4})):
+        job = yaml.safe_load((DATA / "tiny-tpu.yaml").read_text())
+        if lora is not None:
+            job["spec"]["lora"] = lora
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job))
+        run = wanloom("compile", str(path), "--json", "--shape", "9x64x64")
+        assert run.returncode == 0, run.stderr[-3000:]
+        reports[name] = json.loads(run.stdout.strip().splitlines()[-1])
+    full, lora = reports["full"], reports["lora"]
+    assert lora["compiled"] and lora["fits"]
+    update = {r: next(p for p in reports[r]["programs"] if p["program"] == "update") for r in reports}
+    # The update's arguments: the trained parameters, their moments and gradients (fsdp 2): the adapters are a
+    # fraction of the tiny model; the base (~0.1 MB per device) stays resident in both.
+    assert update["lora"]["argument_bytes"] < 0.6 * update["full"]["argument_bytes"]
+    assert lora["resident_bytes"] < full["resident_bytes"]  # no moments of the base
+
+
+@pytest.mark.slow
 def test_compile_uses_the_compiler_options_the_pods_get(tmp_path: Path) -> None:
     """LIBTPU_INIT_ARGS in spec.resources.env reaches the compiler: an unknown flag there fails the compile."""
     pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is part of the dev install")

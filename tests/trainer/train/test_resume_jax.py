@@ -28,6 +28,8 @@ def test_killed_and_resumed_run_reproduces_the_losses_exactly(run_script: Callab
     # per-batch routing: one expert per step, and only that expert gets an update (a gradient norm)
     assert all(len(experts) == 1 for experts in r["per_batch_experts"]), r["per_batch_experts"]
     assert r["per_batch_updated"] == r["per_batch_experts"]
+    assert r["lora_c_start"] == 4 and r["lora_c"] == r["lora_a"][4:]  # LoRA: bit-for-bit too
+    assert r["lora_a"] != r["a"]  # the adapters, not the whole model, trained
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Run A trains 8 steps uninterrupted. Run B crashes inside step 5 (after the checkpoint for step 4 and before the
 one for step 6); run C, started fresh on B's directories, resumes from step 4. Prints the three loss sequences,
 C's start step, the retained checkpoints and B's step log after C (the full history); also, for a short run with
-per-batch routing, which experts got samples and which were updated in each step.
+per-batch routing, which experts got samples and which were updated in each step; and the same kill and resume
+for a LoRA job with EMA (adapters, their moments and their average restored; the base reloaded).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def main() -> None:
         b_log = [r.loss for r in read_log(b_dir / "run" / "steps.jsonl")]
         c = train(b_dir)
         pb = train(Path(tmp, "pb"), {**SPEC, "routing": {"mode": "per-batch"}, "training": {"steps": 6}})
+        lora_spec = {**SPEC, "lora": {"rank": 4, "alpha": 8.0}, "optimizer": {"warmupSteps": 2, "ema": {"decay": 0.9}}}
+        lora_a = train(Path(tmp, "la"), lora_spec)
+        try:
+            train(Path(tmp, "lb"), lora_spec, on_step=crash_at(5))
+            raise AssertionError("LoRA run B did not crash")
+        except Crash:
+            pass
+        lora_c = train(Path(tmp, "lb"), lora_spec)
         print(
             json.dumps(
                 {
@@ -70,6 +79,9 @@ def main() -> None:
                     "plot": str(c.plot) if c.plot else None,
                     "per_batch_experts": [sorted(e for e, n in r.expert_samples.items() if n) for r in pb.records],
                     "per_batch_updated": [sorted(r.grad_norm) for r in pb.records],
+                    "lora_a": [r.loss for r in lora_a.records],
+                    "lora_c": [r.loss for r in lora_c.records],
+                    "lora_c_start": lora_c.start_step,
                 }
             )
         )
