@@ -31,7 +31,7 @@ import numpy as np
 
 from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.train_config import TrainConfig
-from wanloom_trainer.train.step_shapes import compile_shapes
+from wanloom_trainer.train.step_shapes import checked_config, compile_shapes
 
 RUNTIME_RESERVE_BYTES = 3 * 2**30
 # FSDPMemTracker's categories, grouped as the report shows them.
@@ -184,7 +184,6 @@ def size_job(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from wanloom_trainer.config.train_config import from_trainingjob
     from wanloom_trainer.train.step_torch import make_adamw
 
     gpu = job.spec.resources.gpu
@@ -194,13 +193,7 @@ def size_job(
     capacity = capacity_bytes or (accelerator.hbm_bytes if accelerator else None)
     if capacity is None:
         raise ValueError(f"spec.resources.gpu.type {gpu.type!r} has no known memory: pass --hbm-gib")
-    config = from_trainingjob(job, {})
-    model_config = config.model
-    if layers is not None:
-        model_config = dataclasses.replace(model_config, num_layers=layers)
-    if remat is not None:
-        model_config = dataclasses.replace(model_config, remat=remat)
-    config = dataclasses.replace(config, model=model_config)
+    config = checked_config(job, layers=layers, remat=remat)
     world = config.parallel.num_devices
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -20,7 +20,6 @@ not used: it omits Pallas kernels and counts a scan body once (MFU keeps the ana
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -31,7 +30,7 @@ import numpy as np
 
 from wanloom_api.topology import ACCELERATOR_TYPES
 from wanloom_trainer.config.train_config import TrainConfig
-from wanloom_trainer.train.step_shapes import compile_shapes
+from wanloom_trainer.train.step_shapes import checked_config, compile_shapes
 
 # TPU v7x (Ironwood): two TensorCores per chip, each its own JAX device (the topology descriptions list 2 devices
 # per chip), so one device addresses half the chip's HBM: 96 GiB. Seed 000 reports 94.7 GB usable.
@@ -228,19 +227,12 @@ def compile_job(
     import jax.numpy as jnp
 
     from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
-    from wanloom_trainer.config.train_config import from_trainingjob
     from wanloom_trainer.train.backend_jax import JaxBackend, pad_rows
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second JAX process here must not hold libtpu
     use_compiler_env(job)
     topology, slices, devices = _tpu_devices(job)
-    config = from_trainingjob(job, {})
-    model = config.model
-    if layers is not None:
-        model = dataclasses.replace(model, num_layers=layers)
-    if remat is not None:
-        model = dataclasses.replace(model, remat=remat)
-    config = dataclasses.replace(config, model=model, checkpoint=config.checkpoint.model_copy(update={"uri": None}))
+    config = checked_config(job, layers=layers, remat=remat)
     backend = JaxBackend(config, devices=devices)
     state = backend.abstract_state()
     (params, *_), (opt, *_) = backend.flat_state(state["params"], state["opt"])

@@ -1,7 +1,10 @@
-"""The micro-batch shapes ``wanloom compile`` checks a job at, for either accelerator (``compile_tpu``,
-``compile_gpu``)."""
+"""What ``wanloom compile`` checks a job at, for either accelerator (``compile_tpu``, ``compile_gpu``): the job's
+configuration with the command's overrides, and its micro-batch shapes."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -31,3 +34,17 @@ def compile_shapes(config: TrainConfig, pixels: np.ndarray | None = None) -> np.
             )
         pixels = np.asarray([reference])
     return latent_shapes_for_pixels(config.model.wan, np.atleast_2d(pixels))
+
+
+def checked_config(job: Any, *, layers: int | None, remat: str | None) -> TrainConfig:
+    """The job's trainer configuration with ``--layers`` / ``--remat`` applied and checkpoints off (nothing is
+    trained)."""
+    from wanloom_trainer.config.train_config import from_trainingjob
+
+    config = from_trainingjob(job, {})
+    model = config.model
+    if layers is not None:
+        model = dataclasses.replace(model, num_layers=layers)
+    if remat is not None:
+        model = dataclasses.replace(model, remat=remat)
+    return dataclasses.replace(config, model=model, checkpoint=config.checkpoint.model_copy(update={"uri": None}))
