@@ -364,7 +364,7 @@ def _node_pools() -> list[tuple[str, int, dict[str, str], dict[str, str], str | 
     for kind in ("h100", "h200"):
         labels = {"cloud.google.com/gke-accelerator": ACCELERATOR_TYPES[kind].gke_label}
         pools.append((kind, 2, labels, capacity(kind, "nvidia.com/gpu"), "nvidia.com/gpu"))
-    for topology, hosts, count in (("2x2x1", 1, 2), ("4x4x4", 16, 2), ("4x8x8", 64, 1)):
+    for topology, hosts, count in (("2x2x1", 1, 2), ("2x2x2", 2, 1), ("4x4x4", 16, 2), ("4x8x8", 64, 1)):
         labels = {"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": topology}
         for k in range(count):
             pools.append(

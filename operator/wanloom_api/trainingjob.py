@@ -494,7 +494,11 @@ LORA_DROPOUT_NEEDS_TORCH = "lora.dropout: the jax backend trains adapters withou
 
 class LoraSpec(_Model):
     cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (
-        ("self.targets.all(t, self.targets.filter(u, u == t).size() == 1)", "lora.targets must be unique", ".targets"),
+        (
+            "!has(self.targets) || self.targets.all(t, self.targets.filter(u, u == t).size() == 1)",
+            "lora.targets must be unique",
+            ".targets",
+        ),
     )
     rank: int = Field(32, ge=1, le=1024, description="Adapter rank r.")
     alpha: float | None = Field(

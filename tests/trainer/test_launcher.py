@@ -146,4 +146,5 @@ def test_the_real_trainer_reports_a_configuration_error_through_the_launcher(tmp
     proc = subprocess.run([sys.executable, "-m", "wanloom_trainer.launcher"], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
-    assert proc.stderr.count("wanloom trainer: ") == 2 and "spec.model: required field is missing" in proc.stderr
+    # The first worker to fail stops the other, which may not get to say it too.
+    assert "wanloom trainer: " in proc.stderr and "spec.model: required field is missing" in proc.stderr
