@@ -69,6 +69,7 @@ def test_flattened_names_are_readable_paths() -> None:
 @pytest.mark.e2e
 def test_gs_uris_work_against_the_gcs_emulator(gcs: str) -> None:
     """One save at a time: the emulator ignores generation preconditions (ifGenerationMatch), which tensorstore's
-    OCDBT manifest writes rely on when writes overlap; back to back, CI saw "Malformed StorageGeneration" once in
-    four runs. Real GCS honours them; the trainer's saves are an interval of steps apart."""
+    OCDBT manifest writes rely on when writes overlap. With the saves back to back, one of three full runs here
+    failed with "Malformed StorageGeneration" (not reproduced alone); real GCS honours the preconditions, and the
+    trainer's saves are an interval of steps apart."""
     roundtrip(f"{gcs}/run", one_save_at_a_time=True)
