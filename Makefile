@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q -c .ci/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install services cluster cluster-down demo test test-exhaustive lint format generate
+.PHONY: install services cluster cluster-down images demo test test-exhaustive lint format generate
 
 install: $(STAMP)
 
@@ -34,9 +34,17 @@ cluster: $(STAMP)
 cluster-down:
 	$(PYTHON) .ci/cluster/down.py
 
-# Starts the control plane first (left running for the next run; `make cluster-down` stops it). Where it cannot be
-# built or started, its tests skip; under WANLOOM_REQUIRE_E2E=1 (CI) the run stops here, with up.py's error.
+# The operator and JAX trainer images from trainer_images/Dockerfile.* with buildah (no Docker daemon), on a
+# Debian-built stand-in for their Python base (.ci/images/build.sh); IMAGES="operator tpu gpu" adds the GPU image.
+IMAGES ?= operator tpu
+images:
+	.ci/images/build.sh $(IMAGES)
+
+# Builds the images and starts the control plane first (left running for the next run; `make cluster-down` stops
+# it). Where either cannot be built or started, its tests skip; under WANLOOM_REQUIRE_IMAGES=1 and
+# WANLOOM_REQUIRE_E2E=1 (CI) the run stops here, with the build's or up.py's error.
 test: $(STAMP) services
+	.ci/images/build.sh $(IMAGES) || [ -z "$$WANLOOM_REQUIRE_IMAGES" ]
 	$(PY) .ci/cluster/up.py || [ -z "$$WANLOOM_REQUIRE_E2E" ]
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from wanloom_api.trainingjob import OptimizerSpec
+from wanloom_api.trainingjob import LoraSpec, OptimizerSpec
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.flops import flop_breakdown
 from wanloom_trainer.model.lora_torch import add_lora
@@ -44,8 +44,6 @@ def main() -> None:
     parser.add_argument("--latent", default="5x64x64", help="latent T'xH'xW' of the one clip (patch 1x2x2)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from wanloom_api.trainingjob import LoraSpec
-
     latent = tuple(int(v) for v in args.latent.split("x"))
     tokens = VARIANT.tokens(*latent)
     full = build_expert(VARIANT, seed=0)
