@@ -9,6 +9,8 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.8}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.12.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
+CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.4.2}"
+COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 CACHE="${WANLOOM_CLUSTER_CACHE:-$HOME/.cache/wanloom/cluster}"
 export GOFLAGS="${GOFLAGS:--mod=mod}" CGO_ENABLED=0
 
@@ -30,7 +32,7 @@ throwaway() {
 
 build_k8s() {
   local bin="$CACHE/kubernetes-$K8S_VERSION" c missing=0
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do [ -x "$bin/$c" ] || missing=1; done
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do [ -x "$bin/$c" ] || missing=1; done
   if [ "$missing" = 1 ]; then
     local work="$CACHE/src/kubernetes-$K8S_VERSION" minor="${K8S_VERSION#v1.}"
     # k8s.io/kubernetes replaces its staging modules with local paths: pin each to the matching v0.Y.Z release,
@@ -40,14 +42,14 @@ build_k8s() {
     while read -r mod; do replaces+=("$mod=$mod@v0.$minor"); done < <(
       grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
     throwaway "$work" "k8s.io/kubernetes $K8S_VERSION" "${replaces[@]}"
-    printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n)\n' > "$work/tools.go"
+    printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n\t_ "k8s.io/kubernetes/cmd/kubelet"\n)\n' > "$work/tools.go"
     (cd "$work" && go mod tidy -e >/dev/null)
     local ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION
       -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
     mkdir -p "$bin"
-    for c in kube-apiserver kube-controller-manager kube-scheduler; do
+    for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
       [ -x "$bin/$c" ] && continue
-      log "building $c $K8S_VERSION (all three: ~12 min cold on 2 cores)"
+      log "building $c $K8S_VERSION (all four: ~14 min cold on 2 cores)"
       (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c")
       mv "$bin/$c.tmp" "$bin/$c"
     done
@@ -123,9 +125,49 @@ build_kueue() {
   echo "KUEUE_BIN=$bin"
 }
 
+# The real node's runtime: containerd, its runc shim and ctr (one module), and the pause binary every pod sandbox
+# runs, compiled from the C source k8s.io/kubernetes ships (build/pause) since registry.k8s.io cannot be reached.
+build_containerd() {
+  local bin="$CACHE/containerd-$CONTAINERD_VERSION" c
+  if [ ! -x "$bin/ctr" ]; then
+    local work="$CACHE/src/containerd-$CONTAINERD_VERSION" cmd="github.com/containerd/containerd/v2/cmd"
+    throwaway "$work" "github.com/containerd/containerd/v2 $CONTAINERD_VERSION"
+    printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "%s/containerd"\n\t_ "%s/containerd-shim-runc-v2"\n\t_ "%s/ctr"\n)\n' \
+      "$cmd" "$cmd" "$cmd" > "$work/tools.go"
+    (cd "$work" && go mod tidy -e >/dev/null)
+    mkdir -p "$bin"
+    for c in containerd containerd-shim-runc-v2 ctr; do
+      log "building $c $CONTAINERD_VERSION"
+      (cd "$work" && go build -trimpath -tags "no_btrfs no_devmapper no_zfs" -ldflags "-s -w" -o "$bin/$c.tmp" "$cmd/$c")
+      mv "$bin/$c.tmp" "$bin/$c"
+    done
+  fi
+  echo "CONTAINERD_BIN=$bin"
+}
+
+build_pause() {
+  local bin="$CACHE/kubernetes-$K8S_VERSION"
+  if [ ! -x "$bin/pause" ]; then
+    local src tag
+    src="$(module_source "kubernetes-$K8S_VERSION" k8s.io/kubernetes)/build/pause"
+    tag="$(sed -n 's/^TAG ?= //p' "$src/Makefile")"
+    log "compiling pause $tag from k8s.io/kubernetes $K8S_VERSION"
+    gcc -Os -Wall -static -DVERSION="v$tag" -o "$bin/pause.tmp" "$src/linux/pause.c"
+    echo "$tag" > "$bin/pause.version"
+    mv "$bin/pause.tmp" "$bin/pause"
+  fi
+}
+
+build_coredns() {
+  echo "COREDNS_BIN=$(build_module "coredns-$COREDNS_VERSION" github.com/coredns/coredns "$COREDNS_VERSION" github.com/coredns/coredns coredns)"
+}
+
 command -v go >/dev/null || { log "the Go toolchain is needed to build the control plane (go.dev/dl)"; exit 1; }
 build_k8s
 build_etcd
 build_jobset
 build_kwok
 build_kueue
+build_containerd
+build_pause
+build_coredns

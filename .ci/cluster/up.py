@@ -2,7 +2,8 @@
 
 etcd, kube-apiserver (RBAC on, token and client-certificate authentication, an audit log), kube-controller-manager,
 kube-scheduler, the JobSet controller and Kueue (its JobSet integration) with their webhooks served to the API
-server by URL, and KWOK driving fake nodes labelled like GKE TPU v7x and GPU node pools. Kueue reads its metrics
+server by URL, KWOK driving fake nodes labelled like GKE TPU v7x and GPU node pools, and one real node where the
+images `make images` built are present (``node.py``: containerd, a kubelet, CoreDNS). Kueue reads its metrics
 certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from
 ``build.sh`` (Go modules, cached per version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin),
 ``env`` (ports and paths the tests read), ``pids/`` (what ``down.py`` stops) and ``logs/``.
@@ -27,6 +28,9 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import node  # the real node, beside this script
+
 ROOT = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("WANLOOM_CLUSTER_DIR", ROOT / ".cluster"))
 HERE = Path(__file__).resolve().parent
@@ -39,6 +43,8 @@ IDENTITIES = {
     "jobset": ("system:jobset-controller", "system:masters"),
     "kwok": ("system:kwok-controller", "system:masters"),
     "kueue": ("system:kueue-controller", "system:masters"),
+    "kubelet": (f"system:node:{node.NAME}", "system:nodes"),
+    "coredns": ("system:coredns", "system:masters"),
 }
 READY_TIMEOUT_S = 120
 COMPONENTS = (
@@ -197,6 +203,7 @@ def control_plane(bins: dict[str, Path], env: dict[str, Any], token: dict[str, s
         f"--service-account-signing-key-file={pki / 'sa.key'}",
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         "--service-cluster-ip-range=10.96.0.0/16", "--allow-privileged=true",
+        "--kubelet-preferred-address-types=InternalIP,Hostname",
         f"--audit-policy-file={STATE / 'audit-policy.yaml'}", f"--audit-log-path={STATE / 'logs' / 'audit.log'}",
     ])  # fmt: skip
     wait_url("kube-apiserver", f"{env['server']}/readyz", token["admin"], pki / "ca.crt")
@@ -401,8 +408,21 @@ def fake_nodes() -> None:
                     raise
 
 
+def real_node(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> dict[str, Any] | None:
+    """The real node where this host can run it; else None, with the reason on stderr."""
+    why = node.unavailable()
+    if why:
+        print(f"up.py: no real node: {why}; pods run on fake nodes only", file=sys.stderr)
+        return None
+    kubeconfigs = {"admin": STATE / "kubeconfig"}
+    for identity in ("kubelet", "coredns"):
+        kubeconfigs[identity] = STATE / f"{identity}.kubeconfig"
+        kubeconfig(kubeconfigs[identity], env["server"], STATE / "pki" / "ca.crt", token[identity])
+    return node.up(bins, STATE, start, kubeconfigs, free_port)
+
+
 def main() -> None:
-    if (STATE / "env").exists() and all(alive(n) for n in COMPONENTS):
+    if (STATE / "env").exists() and all(alive(n) for n in json.loads((STATE / "env").read_text())["components"]):
         print(f"cluster already running: KUBECONFIG={STATE / 'kubeconfig'}")
         return
     subprocess.run([sys.executable, str(HERE / "down.py")], check=True)
@@ -429,6 +449,9 @@ def main() -> None:
     kwok(bins, env, token)
     fake_nodes()
     env["components"] = list(COMPONENTS)
+    env["node"] = real_node(bins, env, token)
+    if env["node"]:
+        env["components"] += ["containerd", "coredns", "kubelet"]
     env["kubeconfig"] = str(STATE / "kubeconfig")
     env["audit_log"] = str(STATE / "logs" / "audit.log")
     env["start_seconds"] = round(time.monotonic() - started, 1)

@@ -24,12 +24,12 @@ IMAGES=("$@")
 
 need() {
   local missing=()
-  for tool in buildah podman mmdebstrap runc; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  for tool in buildah podman mmdebstrap runc iptables; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [ ${#missing[@]} -eq 0 ] && return
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      buildah podman mmdebstrap runc containernetworking-plugins fuse-overlayfs uidmap >/dev/null
+      buildah podman mmdebstrap runc containernetworking-plugins fuse-overlayfs uidmap iptables >/dev/null
   else
     echo "images: ${missing[*]} not installed (Debian: apt-get install buildah podman mmdebstrap runc)" >&2
     exit 1
