@@ -98,6 +98,15 @@ def crd(cluster: Cluster, chart_release: dict[str, Any]) -> dict[str, Any]:
     raise AssertionError("trainingjobs.wanloom.dev not Established after 60 s")
 
 
+@pytest.fixture(scope="session")
+def k8s(cluster: Cluster, crd: dict[str, Any]) -> Any:
+    """The kubernetes package with the cluster's admin kubeconfig as its default client (the CRD Established)."""
+    import kubernetes
+
+    kubernetes.config.load_kube_config(config_file=cluster.kubeconfig)
+    return kubernetes
+
+
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     from kubernetes import client

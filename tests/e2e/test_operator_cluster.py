@@ -34,15 +34,6 @@ GROUP, VERSION, PLURAL = "wanloom.dev", "v1alpha1", "trainingjobs"
 
 
 @pytest.fixture(scope="module")
-def k8s(cluster: Any, crd: Any) -> Any:
-    """The kubernetes package with the cluster's admin kubeconfig as its default client."""
-    import kubernetes
-
-    kubernetes.config.load_kube_config(config_file=cluster.kubeconfig)
-    return kubernetes
-
-
-@pytest.fixture(scope="module")
 def fake_nodes(cluster: Any) -> bool:
     return "kwok" in cluster.env.get("components", ())
 

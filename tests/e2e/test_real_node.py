@@ -50,14 +50,6 @@ def node(cluster: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def k8s(cluster: Any, crd: Any) -> Any:
-    import kubernetes
-
-    kubernetes.config.load_kube_config(config_file=cluster.kubeconfig)
-    return kubernetes
-
-
-@pytest.fixture(scope="module")
 def storage(node: dict[str, Any], start_gcs_emulator: Any) -> Iterator[str]:
     """A GCS emulator the pods reach on the node's address."""
     with socket.socket() as s:
