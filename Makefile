@@ -40,13 +40,12 @@ IMAGES ?= operator tpu
 images:
 	.ci/images/build.sh $(IMAGES)
 
-# Builds the images and starts the control plane first (left running for the next run; `make cluster-down` stops
-# it). Where either cannot be built or started, its tests skip; under WANLOOM_REQUIRE_IMAGES=1 and
-# WANLOOM_REQUIRE_E2E=1 (CI) the run stops here, with the build's or up.py's error.
+# The tests that need neither the cluster nor the images run while both build in the background; then the control
+# plane starts (left running for the next run; `make cluster-down` stops it) and the rest run (.ci/test.sh). Where
+# a build or the cluster fails, its tests skip; under WANLOOM_REQUIRE_IMAGES=1 and WANLOOM_REQUIRE_E2E=1 (CI) the
+# run stops there, with the build's log or up.py's error.
 test: $(STAMP) services
-	.ci/images/build.sh $(IMAGES) || [ -z "$$WANLOOM_REQUIRE_IMAGES" ]
-	$(PY) .ci/cluster/up.py || [ -z "$$WANLOOM_REQUIRE_E2E" ]
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	PY=$(PY) IMAGES="$(IMAGES)" PYTEST_ARGS="$(PYTEST_ARGS)" .ci/test.sh
 
 # The kernels' full D x N x B x modulation x dtype grid in the interpreters: too slow for every CI run.
 test-exhaustive: $(STAMP)

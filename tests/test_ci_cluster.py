@@ -7,6 +7,8 @@ there only shows on a fresh clone: these tests call it directly.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -57,3 +59,26 @@ def test_every_shipped_job_has_enough_fake_nodes(up: ModuleType) -> None:
             label = ACCELERATOR_TYPES[res.gpu.type].gke_label
             nodes = sum(p[1] for p in pools if p[2].get("cloud.google.com/gke-accelerator") == label)
             assert nodes >= res.gpu.nodes, f"{path.name}: {res.gpu.nodes} {res.gpu.type} nodes, {nodes} fake"
+
+
+def _collected_files(marker: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marker,
+         "tests/e2e", "tests/images"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return {line.split("::")[0] for line in out.splitlines() if "::" in line}
+
+
+def test_make_test_runs_every_cluster_and_image_test_after_the_builds_and_nothing_else() -> None:
+    """.ci/test.sh runs ``not (cluster or images)`` while the cluster and images build: a test that uses the
+    ``cluster`` fixture must be marked (the e2e conftest does it), or it would fail before the cluster is up."""
+    after = _collected_files("cluster or images")
+    assert after == {
+        "tests/e2e/test_apiserver.py",
+        "tests/e2e/test_chart_install.py",
+        "tests/e2e/test_operator_cluster.py",
+        "tests/e2e/test_real_node.py",
+        "tests/images/test_images.py",
+    }, after
+    assert _collected_files("not (cluster or images)") == {"tests/e2e/test_prometheus.py"}

@@ -33,6 +33,14 @@ class Cluster:
         return self.env["kubeconfig"]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the control plane is marked ``cluster``: `make test` runs those after the cluster is up
+    (``-m "cluster or images"``) and the rest while it builds (.ci/test.sh)."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
 def _unavailable(why: str) -> None:
     if os.environ.get("WANLOOM_REQUIRE_E2E"):
         pytest.fail(f"{why}: CI requires the real control plane (run `make cluster` first)")
