@@ -30,9 +30,12 @@ throwaway() {
   for r in "$@"; do (cd "$dir" && go mod edit -replace "$r"); done
 }
 
+# The control plane, and the real node's kubelet and kube-proxy, from one build of k8s.io/kubernetes.
+K8S_COMMANDS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+
 build_k8s() {
   local bin="$CACHE/kubernetes-$K8S_VERSION" c missing=0
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do [ -x "$bin/$c" ] || missing=1; done
+  for c in "${K8S_COMMANDS[@]}"; do [ -x "$bin/$c" ] || missing=1; done
   if [ "$missing" = 1 ]; then
     local work="$CACHE/src/kubernetes-$K8S_VERSION" minor="${K8S_VERSION#v1.}"
     # k8s.io/kubernetes replaces its staging modules with local paths: pin each to the matching v0.Y.Z release,
@@ -42,14 +45,16 @@ build_k8s() {
     while read -r mod; do replaces+=("$mod=$mod@v0.$minor"); done < <(
       grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
     throwaway "$work" "k8s.io/kubernetes $K8S_VERSION" "${replaces[@]}"
-    printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n\t_ "k8s.io/kubernetes/cmd/kubelet"\n)\n' > "$work/tools.go"
+    { printf '//go:build tools\n\npackage tools\n\nimport (\n'
+      printf '\t_ "k8s.io/kubernetes/cmd/%s"\n' "${K8S_COMMANDS[@]}"
+      printf ')\n'; } > "$work/tools.go"
     (cd "$work" && go mod tidy -e >/dev/null)
     local ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION
       -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
     mkdir -p "$bin"
-    for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+    for c in "${K8S_COMMANDS[@]}"; do
       [ -x "$bin/$c" ] && continue
-      log "building $c $K8S_VERSION (all four: ~14 min cold on 2 cores)"
+      log "building $c $K8S_VERSION (all five: ~15 min cold on 2 cores)"
       (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c")
       mv "$bin/$c.tmp" "$bin/$c"
     done

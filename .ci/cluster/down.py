@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("WANLOOM_CLUSTER_DIR", ROOT / ".cluster"))
 # Clients first, etcd last, so nothing writes to a store that is going away; the real node's pods are stopped
 # between the kubelet and containerd.
-ORDER = ("kubelet", "coredns", "containerd", "kwok", "jobset-controller", "kube-scheduler", "kube-controller-manager",
-         "kube-apiserver", "etcd")  # fmt: skip
+ORDER = ("kubelet", "kube-proxy", "coredns", "containerd", "kwok", "jobset-controller", "kube-scheduler",
+         "kube-controller-manager", "kube-apiserver", "etcd")  # fmt: skip
 
 
 def stop(pid: int, grace_s: float = 10.0) -> None:

@@ -1,7 +1,8 @@
 """The real node of `make cluster`: pods run in real containers, beside KWOK's fake node pools.
 
 containerd 2 (Go modules) with runc and a CNI bridge (Debian's plugins), a kubelet from the control plane's own
-`k8s.io/kubernetes` build, and CoreDNS (Go modules) serving cluster.local from the API server, so JobSet's pod
+`k8s.io/kubernetes` build, kube-proxy (same build; iptables) so pods reach Services (the API server's among them,
+as an in-cluster operator does), and CoreDNS (Go modules) serving cluster.local from the API server, so JobSet's pod
 hostnames resolve. The pause binary is compiled from the kubernetes module's C source and the images `make images`
 built are imported into containerd's `k8s.io` namespace (pods use `imagePullPolicy: IfNotPresent`; no registry is
 reachable). The node is tainted ``wanloom.dev/real-node=true:NoSchedule`` and labelled ``wanloom.dev/real-node:
@@ -19,6 +20,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -207,12 +209,19 @@ def up(
         f"--kubeconfig={kubeconfigs['kubelet']}", f"--hostname-override={NAME}", f"--node-ip={ip}",
         f"--node-labels={LABEL}=true", f"--root-dir={ROOT_DIR / 'kubelet'}", "--v=1",
     ])  # fmt: skip
+    healthz = free_port()
+    start("kube-proxy", [
+        bins["KUBERNETES_BIN"] / "kube-proxy", f"--kubeconfig={kubeconfigs['kube-proxy']}", "--proxy-mode=iptables",
+        f"--hostname-override={NAME}", f"--cluster-cidr={POD_SUBNET}", f"--healthz-bind-address=127.0.0.1:{healthz}",
+        f"--metrics-bind-address=127.0.0.1:{free_port()}", "--conntrack-max-per-core=0", "--v=1",
+    ])  # fmt: skip
     config.load_kube_config(str(kubeconfigs["admin"]))
     core = client.CoreV1Api()
     while time.monotonic() < deadline:
         try:
             node = core.read_node(NAME)
-            if any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or ()):
+            ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or ())
+            if ready and _healthy(f"http://127.0.0.1:{healthz}/healthz"):
                 ctr_bin = str(bins["CONTAINERD_BIN"] / "ctr")
                 return {"name": NAME, "ip": ip, "label": LABEL, "images": list(IMAGES), "ctr": ctr_bin,
                         "socket": str(SOCKET)}  # fmt: skip
@@ -220,4 +229,14 @@ def up(
             if exc.status != 404:
                 raise
         time.sleep(0.5)
-    raise SystemExit(f"up.py: node {NAME} not Ready after {READY_TIMEOUT_S} s; see {state / 'logs' / 'kubelet.log'}")
+    raise SystemExit(f"up.py: node {NAME} not Ready (or kube-proxy not synced) after {READY_TIMEOUT_S} s; see "
+                     f"{state / 'logs'} (kubelet.log, kube-proxy.log)")  # fmt: skip
+
+
+def _healthy(url: str) -> bool:
+    """kube-proxy answers 200 on /healthz once it has written the Services' rules."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -45,6 +45,8 @@ IDENTITIES = {
     "kueue": ("system:kueue-controller", "system:masters"),
     "kubelet": (f"system:node:{node.NAME}", "system:nodes"),
     "coredns": ("system:coredns", "system:masters"),
+    # The bootstrap policy's system:node-proxier binding names this user.
+    "kube-proxy": ("system:kube-proxy", ""),
 }
 READY_TIMEOUT_S = 120
 COMPONENTS = (
@@ -68,15 +70,19 @@ def run(*args: str | Path) -> None:
     subprocess.run([str(a) for a in args], check=True, capture_output=True)
 
 
-def certificates(pki: Path) -> None:
-    """A CA, the API server's and the JobSet webhook's serving certificates, and the service-account key pair."""
-    pki.mkdir(parents=True, exist_ok=True)
-    if (pki / "ca.crt").exists():
+def certificates(pki: Path, host_ip: str) -> None:
+    """A CA, the API server's and the JobSet webhook's serving certificates, and the service-account key pair.
+
+    Pods reach the API server at the ``kubernetes`` Service's address (10.96.0.1, through kube-proxy) and that
+    leads to ``host_ip``: both are in its certificate. Made again when the host's address changed."""
+    if (pki / "apiserver.ext").exists() and f"IP:{host_ip}," in (pki / "apiserver.ext").read_text():
         return
+    shutil.rmtree(pki, ignore_errors=True)
+    pki.mkdir(parents=True)
     run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30", "-subj", "/CN=wanloom-test-ca",
         "-keyout", pki / "ca.key", "-out", pki / "ca.crt")  # fmt: skip
     sans = {
-        "apiserver": "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "apiserver": f"IP:127.0.0.1,IP:{host_ip},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
         "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local",
         "webhook": "IP:127.0.0.1,DNS:localhost",
     }
@@ -196,7 +202,8 @@ def control_plane(bins: dict[str, Path], env: dict[str, Any], token: dict[str, s
     (STATE / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
     start("kube-apiserver", [
         k8s / "kube-apiserver", f"--etcd-servers=http://127.0.0.1:{env['etcd_port']}",
-        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={env['apiserver_port']}",
+        # Also on the host's address, which the `kubernetes` Service advertises to pods on the real node.
+        "--bind-address=0.0.0.0", f"--advertise-address={env['host_ip']}", f"--secure-port={env['apiserver_port']}",
         f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
         f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={STATE / 'tokens.csv'}",
         "--authorization-mode=Node,RBAC", f"--service-account-key-file={pki / 'sa.pub'}",
@@ -415,7 +422,7 @@ def real_node(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str])
         print(f"up.py: no real node: {why}; pods run on fake nodes only", file=sys.stderr)
         return None
     kubeconfigs = {"admin": STATE / "kubeconfig"}
-    for identity in ("kubelet", "coredns"):
+    for identity in ("kubelet", "coredns", "kube-proxy"):
         kubeconfigs[identity] = STATE / f"{identity}.kubeconfig"
         kubeconfig(kubeconfigs[identity], env["server"], STATE / "pki" / "ca.crt", token[identity])
     return node.up(bins, STATE, start, kubeconfigs, free_port)
@@ -430,9 +437,8 @@ def main() -> None:
     for sub in ("pids", "logs"):
         (STATE / sub).mkdir(parents=True, exist_ok=True)
     bins = binaries()
-    certificates(STATE / "pki")
-    token = tokens(STATE / "tokens.csv")
     env: dict[str, Any] = {
+        "host_ip": node.host_ip(),
         "etcd_port": free_port(),
         "etcd_peer_port": free_port(),
         "apiserver_port": free_port(),
@@ -442,6 +448,8 @@ def main() -> None:
         "kueue_health_port": free_port(),
     }
     env["server"] = f"https://127.0.0.1:{env['apiserver_port']}"
+    certificates(STATE / "pki", env["host_ip"])
+    token = tokens(STATE / "tokens.csv")
     kubeconfig(STATE / "kubeconfig", env["server"], STATE / "pki" / "ca.crt", token["admin"])
     control_plane(bins, env, token)
     jobset(bins, env, token)
@@ -451,7 +459,7 @@ def main() -> None:
     env["components"] = list(COMPONENTS)
     env["node"] = real_node(bins, env, token)
     if env["node"]:
-        env["components"] += ["containerd", "coredns", "kubelet"]
+        env["components"] += ["containerd", "coredns", "kubelet", "kube-proxy"]
     env["kubeconfig"] = str(STATE / "kubeconfig")
     env["audit_log"] = str(STATE / "logs" / "audit.log")
     env["start_seconds"] = round(time.monotonic() - started, 1)

@@ -1,13 +1,15 @@
 """TrainingJobs whose pods run in real containers: the real node `make cluster` starts (.ci/cluster/node.py:
-containerd, a kubelet, CoreDNS) and the JAX trainer image `make images` built.
+containerd, a kubelet, kube-proxy, CoreDNS) and the images `make images` built.
 
-The operator runs here, as `wanloom operator` runs, with the chart's `trainerPods.env` giving every trainer pod the
-GCS emulator's address; the jobs ask for the real node through spec.resources (its label and taint). Two JAX
-processes in two pods find their coordinator by JobSet's pod hostname (cluster DNS), train the tiny model on
-gs:// data and checkpoint to gs://; the operator reads progress from rank 0's pod and a real Prometheus scrapes it
-at the address the chart's PodMonitor would select (Debian's Prometheus lacks Kubernetes discovery: the test lists
-the pods with the PodMonitor's selector into a file); a pod killed mid-run restarts the JobSet, and the run resumes
-from its last committed checkpoint.
+The chart is installed with Helm as a second release whose operator runs in-cluster on the real node, from the
+operator image, as its own ServiceAccount with the chart's RBAC (watching only this test's namespace), reaching the
+API server through the `kubernetes` Service, and live only while its probes pass; its `trainerPods.env` gives every
+trainer pod the GCS emulator's address, and the jobs ask for the real node through spec.resources (its label and
+taint). Two JAX processes in two pods find their coordinator by JobSet's pod hostname (cluster DNS), train the tiny
+model on gs:// data and checkpoint to gs://; the operator reads progress from rank 0's pod, and a real Prometheus
+scrapes the trainers at the address the chart's PodMonitor selects and the operator through its metrics Service's
+endpoints (Debian's Prometheus lacks Kubernetes discovery: the test lists them into a file); a pod killed mid-run
+restarts the JobSet, the run resumes from its last committed checkpoint and the operator counts the restart.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -34,6 +35,9 @@ from wanloom_api.trainingjob import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "wanloom-real-node"
+CHART_DIR = ROOT / "helm" / "wanloom"
+OPERATOR_RELEASE = "wanloom-node"
+OPERATOR_SELECTOR = "app.kubernetes.io/component=operator"
 TIMEOUT = 420
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
@@ -111,8 +115,9 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _discover(k8s: Any, namespace: str, targets: Path) -> None:
-    """What the chart's PodMonitor selects: pods the operator manages, at their `metrics` container port."""
+def _discover(k8s: Any, namespace: str, operator_namespace: str, targets: Path) -> None:
+    """What the chart's PodMonitor selects (pods the operator manages, at their `metrics` container port) and what
+    its ServiceMonitor scrapes (the endpoints of the operator's metrics Service)."""
     found = []
     for pod in (
         k8s.client.CoreV1Api()
@@ -123,6 +128,15 @@ def _discover(k8s: Any, namespace: str, targets: Path) -> None:
         if pod.status.pod_ip and ports:
             labels = {"namespace": namespace, "pod": pod.metadata.name}
             found.append({"targets": [f"{pod.status.pod_ip}:{ports[0]}"], "labels": labels})
+    discovery = k8s.client.DiscoveryV1Api()
+    for service in (
+        k8s.client.CoreV1Api().list_namespaced_service(operator_namespace, label_selector=OPERATOR_SELECTOR).items
+    ):
+        selector = f"kubernetes.io/service-name={service.metadata.name}"
+        for endpoints in discovery.list_namespaced_endpoint_slice(operator_namespace, label_selector=selector).items:
+            port = next(p.port for p in endpoints.ports if p.name == "metrics")
+            addresses = [a for e in endpoints.endpoints or () if e.conditions.ready for a in e.addresses]
+            found += [{"targets": [f"{a}:{port}"], "labels": {"component": "operator"}} for a in addresses]
     targets.write_text(json.dumps(found))
 
 
@@ -136,25 +150,53 @@ def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def operator(k8s: Any, cluster: Any, namespace: str, storage: str) -> Iterator[subprocess.Popen[str]]:
+def operator(k8s: Any, cluster: Any, namespace: str, storage: str, node: dict[str, Any]) -> Iterator[str]:
+    """The chart's operator in-cluster on the real node (a second release; the session's release owns the CRDs).
+    Yields the release's namespace once the operator's Deployment is available (its readiness probe passed)."""
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
+    release_namespace = f"{namespace}-operator"
     pod_env = [
         {"name": "STORAGE_EMULATOR_HOST", "value": storage},
         {"name": "TENSORSTORE_GCS_HTTP_URL", "value": storage},
         {"name": "GOOGLE_CLOUD_PROJECT", "value": "wanloom-test"},
     ]
-    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "WANLOOM_LOG_FORMAT": "plain",
-           "WANLOOM_PROGRESS_INTERVAL_SECONDS": "3",
-           "WANLOOM_TRAINER_POD_DEFAULTS": json.dumps({"env": pod_env})}  # fmt: skip
-    command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator", f"--namespace={namespace}",
-               "--metrics-port=0", "--liveness-port=0"]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield process
-    api = k8s.client.CustomObjectsApi()
-    api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-    _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 120)
-    process.terminate()
-    output, _ = process.communicate(timeout=60)
-    print(output[-5000:])
+    values = {
+        "crds": {"enabled": False},
+        "dashboard": {"enabled": False},
+        "trainerPods": {"env": pod_env},
+        "operator": {
+            "watch": {"allNamespaces": False, "namespaces": [namespace]},
+            "logFormat": "plain",
+            "extraEnv": [{"name": "WANLOOM_PROGRESS_INTERVAL_SECONDS", "value": "3"}],
+            "nodeSelector": {node["label"]: "true"},
+            "tolerations": [{"key": node["label"], "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    }
+    with helm.Config(kubeconfig_path=cluster.kubeconfig, namespace=release_namespace) as cfg:
+        cfg.install(str(CHART_DIR), OPERATOR_RELEASE, values, namespace=release_namespace, create_namespace=True)
+    core = k8s.client.CoreV1Api()
+    try:
+        _wait(lambda: _operator_pods(k8s, release_namespace, ready=True), "the operator pod ready", 180)
+        yield release_namespace
+    finally:
+        api = k8s.client.CustomObjectsApi()
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup")
+        for pod in _operator_pods(k8s, release_namespace):
+            print(
+                f"--- operator {pod.metadata.name}\n"
+                + core.read_namespaced_pod_log(pod.metadata.name, release_namespace)[-5000:]
+            )
+        with helm.Config(kubeconfig_path=cluster.kubeconfig, namespace=release_namespace) as cfg:
+            cfg.uninstall(OPERATOR_RELEASE)
+        core.delete_namespace(release_namespace)
+
+
+def _operator_pods(k8s: Any, namespace: str, ready: bool = False) -> list[Any]:
+    pods = k8s.client.CoreV1Api().list_namespaced_pod(namespace, label_selector=OPERATOR_SELECTOR).items
+    if ready:
+        pods = [p for p in pods if any(c.ready for c in p.status.container_statuses or ())]
+    return pods
 
 
 def _trainingjob(name: str, namespace: str, node: dict[str, Any], steps: int, interval: int) -> dict[str, Any]:
@@ -210,8 +252,14 @@ def _logs(k8s: Any, namespace: str, pods: list[Any]) -> str:
 
 
 def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
-    k8s: Any, namespace: str, node: dict[str, Any], storage: str, prometheus: tuple[str, Path], operator: Any
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, prometheus: tuple[str, Path], operator: str
 ) -> None:
+    # The operator runs in a real container on the real node, on the chart's ServiceAccount, its probes passing.
+    (operator_pod,) = _operator_pods(k8s, operator, ready=True)
+    assert operator_pod.spec.node_name == node["name"]
+    assert operator_pod.spec.service_account_name == OPERATOR_RELEASE
+    assert operator_pod.status.container_statuses[0].image == node["images"][0]
+
     name, steps, interval = "tiny-two-pods", 150, 50
     api = k8s.client.CustomObjectsApi()
     api.create_namespaced_custom_object(
@@ -222,7 +270,7 @@ def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
     pods = _wait(lambda: [p for p in _pods(k8s, namespace, name) if p.status.phase == "Running"] or None, "pods")
     assert {p.spec.node_name for p in pods} == {node["name"]}
     url, targets = prometheus
-    _discover(k8s, namespace, targets)
+    _discover(k8s, namespace, operator, targets)
     # Progress read from rank 0's metrics through the pod's address: a committed checkpoint, mid-run.
     committed = _wait(
         lambda: ((_status(k8s, namespace, name).get("progress") or {}).get("lastCheckpointStep") or 0) >= interval,
@@ -247,6 +295,10 @@ def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
     pods = _pods(k8s, namespace, name)
     assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, pods))
     assert status["restarts"] == 1
+    # ...and the operator's own metrics, scraped through its Service's endpoints, count it.
+    restarts = _wait(lambda: _query(url, 'wanloom_operator_job_restarts{component="operator"} >= 1'), "restarts", 60)
+    assert float(restarts[0]["value"][1]) == 1
+    assert _operator_pods(k8s, operator)[0].status.container_statuses[0].restart_count == 0
     assert {interval, steps} <= _checkpoint_steps(storage, prefix)
     # The second attempt's rank 0 resumed after a committed checkpoint instead of starting over.
     rank0 = next(p for p in pods if p.metadata.annotations.get(index) == "0")
