@@ -7,8 +7,12 @@ there only shows on a fresh clone: these tests call it directly.
 from __future__ import annotations
 
 import importlib.util
+import json
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -83,3 +87,39 @@ def test_make_test_runs_every_cluster_and_image_test_after_the_builds_and_nothin
         "tests/images/test_images.py",
     }, after
     assert _collected_files("not (cluster or images)") == {"tests/e2e/test_prometheus.py"}
+
+
+def test_the_gcs_emulator_has_every_bucket_a_job_names_and_honours_generations() -> None:
+    """What the GCS emulator `make cluster` runs (.ci/cluster/gcs.py) adds to gcp-storage-emulator: a job may name
+    any bucket, and tensorstore's conditional writes see GCS's generations."""
+    spec = importlib.util.spec_from_file_location("ci_cluster_gcs", ROOT / ".ci" / "cluster" / "gcs.py")
+    assert spec and spec.loader
+    gcs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gcs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    server = gcs.start("127.0.0.1", port)
+
+    def upload(if_generation_match: str) -> int:
+        """A media upload with a precondition, as tensorstore writes an OCDBT manifest."""
+        query = f"uploadType=media&name=data%2Findex.json&ifGenerationMatch={if_generation_match}"
+        request = urllib.request.Request(f"{base}/upload/storage/v1/b/named-by-a-job/o?{query}", b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        with urllib.request.urlopen(f"{base}/storage/v1/b/named-by-a-job") as response:  # as gcsfs checks
+            assert json.load(response)["name"] == "named-by-a-job"
+        assert upload("0") == 200
+        assert upload("0") == 412  # the object does now
+        with urllib.request.urlopen(f"{base}/download/storage/v1/b/named-by-a-job/o/data%2Findex.json?alt=media") as r:
+            generation = r.headers["x-goog-generation"]
+        assert generation and upload(generation) == 200
+        assert upload(generation) == 412  # that write made a new generation
+    finally:
+        server.stop()

@@ -3,7 +3,8 @@
 etcd, kube-apiserver (RBAC on, token and client-certificate authentication, an audit log), kube-controller-manager,
 kube-scheduler, the JobSet controller and Kueue (its JobSet integration) with their webhooks served to the API
 server by URL, KWOK driving fake nodes labelled like GKE TPU v7x and GPU node pools, and one real node where the
-images `make images` built are present (``node.py``: containerd, a kubelet, CoreDNS). Kueue reads its metrics
+images `make images` built are present (``node.py``: containerd, a kubelet, kube-proxy, CoreDNS), with a GCS
+emulator its pods reach (``gcs.py``). Kueue reads its metrics
 certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from
 ``build.sh`` (Go modules, cached per version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin),
 ``env`` (ports and paths the tests read), ``pids/`` (what ``down.py`` stops) and ``logs/``.
@@ -428,6 +429,15 @@ def real_node(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str])
     return node.up(bins, STATE, start, kubeconfigs, free_port)
 
 
+def storage(host: str) -> str:
+    """A GCS emulator where the real node's pods reach it (``gcs.py``: every bucket a job names exists); its URL is what
+    the chart's ``trainerPods.env`` gives pods as STORAGE_EMULATOR_HOST."""
+    url = f"http://{host}:{free_port()}"
+    start("gcs-emulator", [sys.executable, HERE / "gcs.py", host, url.rsplit(":", 1)[1]])
+    wait_url("gcs-emulator", f"{url}/storage/v1/b?project=wanloom-test")
+    return url
+
+
 def main() -> None:
     if (STATE / "env").exists() and all(alive(n) for n in json.loads((STATE / "env").read_text())["components"]):
         print(f"cluster already running: KUBECONFIG={STATE / 'kubeconfig'}")
@@ -459,7 +469,8 @@ def main() -> None:
     env["components"] = list(COMPONENTS)
     env["node"] = real_node(bins, env, token)
     if env["node"]:
-        env["components"] += ["containerd", "coredns", "kubelet", "kube-proxy"]
+        env["gcs"] = storage(env["host_ip"])
+        env["components"] += ["containerd", "coredns", "kubelet", "kube-proxy", "gcs-emulator"]
     env["kubeconfig"] = str(STATE / "kubeconfig")
     env["audit_log"] = str(STATE / "logs" / "audit.log")
     env["start_seconds"] = round(time.monotonic() - started, 1)

@@ -4,7 +4,8 @@ containerd, a kubelet, kube-proxy, CoreDNS) and the images `make images` built.
 The chart is installed with Helm as a second release whose operator runs in-cluster on the real node, from the
 operator image, as its own ServiceAccount with the chart's RBAC (watching only this test's namespace), reaching the
 API server through the `kubernetes` Service, and live only while its probes pass; its `trainerPods.env` gives every
-trainer pod the GCS emulator's address, and the jobs ask for the real node through spec.resources (its label and
+trainer pod the address of the GCS emulator `make cluster` runs on the host (where every bucket a job
+names exists), and the jobs ask for the real node through spec.resources (its label and
 taint). Two JAX processes in two pods find their coordinator by JobSet's pod hostname (cluster DNS), train the tiny
 model on gs:// data and checkpoint to gs://; the operator reads progress from rank 0's pod, and a real Prometheus
 scrapes the trainers at the address the chart's PodMonitor selects and the operator through its metrics Service's
@@ -54,14 +55,9 @@ def node(cluster: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def storage(node: dict[str, Any], start_gcs_emulator: Any) -> Iterator[str]:
-    """A GCS emulator the pods reach on the node's address."""
-    with socket.socket() as s:
-        s.bind((node["ip"], 0))
-        port = s.getsockname()[1]
-    server = start_gcs_emulator(node["ip"], port, BUCKET)
-    yield f"http://{node['ip']}:{port}"
-    server.stop()
+def storage(cluster: Any, node: dict[str, Any]) -> str:
+    """The GCS emulator `make cluster` started on the node's address (every bucket a job names exists)."""
+    return cluster.env["gcs"]
 
 
 @pytest.fixture(scope="module")
