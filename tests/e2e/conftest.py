@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # e2e_wait beside this file (test dirs are not packages)
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("WANLOOM_CLUSTER_DIR", ROOT / ".cluster"))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from e2e_wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "wanloom.dev", "v1alpha1", "trainingjobs"
@@ -29,12 +30,7 @@ IMPLICIT = {("wanloom.dev", "trainingjobs/finalizers", "update")}
 
 
 def _wait(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return wait_for(check, what, timeout, interval=1)
 
 
 def _manifest(release: dict[str, Any]) -> list[dict[str, Any]]:

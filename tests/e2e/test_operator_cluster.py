@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_wait import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -87,13 +88,7 @@ def _trainingjob(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
 
 
 def _wait(check: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return wait_for(check, what, timeout)
 
 
 def _get(k8s: Any, namespace: str, name: str) -> dict[str, Any]:

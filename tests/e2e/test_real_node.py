@@ -21,7 +21,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -31,6 +30,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_wait import wait_for
 
 from wanloom_api.trainingjob import GROUP, PLURAL, VERSION
 
@@ -39,6 +39,7 @@ BUCKET = "wanloom-real-node"
 CHART_DIR = ROOT / "helm" / "wanloom"
 OPERATOR_RELEASE = "wanloom-node"
 OPERATOR_SELECTOR = "app.kubernetes.io/component=operator"
+GPU_IMAGE = "ghcr.io/wanloom/wanloom-trainer-gpu:0.1.0"
 TIMEOUT = 420
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
@@ -195,8 +196,10 @@ def _operator_pods(k8s: Any, namespace: str, ready: bool = False) -> list[Any]:
     return pods
 
 
-def _trainingjob(name: str, namespace: str, node: dict[str, Any], steps: int, interval: int) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "jobs" / "tiny-local.yaml").read_text())
+def _trainingjob(
+    name: str, namespace: str, node: dict[str, Any], steps: int, interval: int, job: str = "tiny-local.yaml"
+) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "jobs" / job).read_text())
     doc["metadata"] = {"name": name, "namespace": namespace}
     spec = doc["spec"]
     spec["data"]["uri"] = f"gs://{BUCKET}/{namespace}/{name}/data"
@@ -205,6 +208,7 @@ def _trainingjob(name: str, namespace: str, node: dict[str, Any], steps: int, in
     spec["optimizer"]["warmupSteps"] = 2
     spec["maxRestarts"] = 3
     spec["resources"] = {
+        **({"backend": spec["resources"]["backend"]} if "backend" in spec["resources"] else {}),
         "cpu": {"nodes": 2, "devicesPerNode": 1},
         "nodeSelector": {node["label"]: "true"},
         "tolerations": [{"key": node["label"], "operator": "Exists", "effect": "NoSchedule"}],
@@ -213,13 +217,7 @@ def _trainingjob(name: str, namespace: str, node: dict[str, Any], steps: int, in
 
 
 def _wait(check: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return wait_for(check, what, timeout)
 
 
 def _status(k8s: Any, namespace: str, name: str) -> dict[str, Any]:
@@ -227,13 +225,19 @@ def _status(k8s: Any, namespace: str, name: str) -> dict[str, Any]:
     return job.get("status") or {}
 
 
-def _checkpoint_steps(storage: str, prefix: str) -> set[int]:
+def _checkpoint_steps(storage: str, prefix: str, files: str = "") -> set[int]:
+    """Steps with a checkpoint under ``prefix``: orbax's ``N/`` or DCP's ``step_NNNNNNNN/`` folders (with DCP, only
+    those holding every one of ``files``)."""
     from google.cloud import storage as gcs
 
     os.environ["STORAGE_EMULATOR_HOST"] = storage
     client = gcs.Client(project="wanloom-test")
-    names = [blob.name for blob in client.list_blobs(BUCKET, prefix=prefix)]
-    return {int(part) for name in names for part in name[len(prefix) :].split("/")[:1] if part.isdigit()}
+    found: dict[int, set[str]] = {}
+    for blob in client.list_blobs(BUCKET, prefix=prefix):
+        folder, _, rest = blob.name[len(prefix) :].partition("/")
+        if folder.removeprefix("step_").isdigit():
+            found.setdefault(int(folder.removeprefix("step_")), set()).add(rest)
+    return {step for step, names in found.items() if set(files.split()) <= names}
 
 
 def _pods(k8s: Any, namespace: str, name: str) -> list[Any]:
@@ -301,3 +305,29 @@ def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
     log = k8s.client.CoreV1Api().read_namespaced_pod_log(rank0.metadata.name, namespace)
     first = int(re.search(rf"step (\d+)/{steps}", log).group(1))
     assert first - 1 in (interval, 2 * interval), [line for line in log.splitlines() if "step" in line][:5]
+
+
+def test_two_torch_pods_train_through_the_gpu_images_launcher(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """The GPU image's path on CPU: each pod's launcher starts one worker, the two join one gloo group through
+    rank 0's JobSet hostname (the launcher's static rendezvous), train and checkpoint to gs://."""
+    if GPU_IMAGE not in node["images"]:
+        why = f'{GPU_IMAGE} is not built here (make images IMAGES="operator tpu gpu"; 6 GB, not built in CI)'
+        pytest.skip(why)
+    name, steps, interval = "tiny-torch-pods", 20, 10
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, _trainingjob(name, namespace, node, steps, interval, "tiny-local-torch.yaml")
+    )
+    status = _wait(
+        lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+        "the torch job to finish",
+    )
+    pods = _pods(k8s, namespace, name)
+    assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, pods))
+    assert status.get("restarts", 0) == 0
+    assert {p.spec.containers[0].image for p in pods} == {GPU_IMAGE}
+    assert {tuple(p.spec.containers[0].command) for p in pods} == {("python", "-m", "wanloom_trainer.launcher")}
+    # DCP checkpoints written by both ranks (one shard file each) and committed (.metadata last).
+    files = "__0_0.distcp __1_0.distcp .metadata"
+    assert {interval, steps} <= _checkpoint_steps(storage, f"{namespace}/{name}/checkpoints/", files)

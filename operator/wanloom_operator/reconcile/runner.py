@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 from typing import Any
@@ -40,9 +41,16 @@ def operator_kwargs(settings: OperatorSettings, runtime: Runtime) -> dict[str, A
     return kwargs
 
 
+def configure_logging(settings: OperatorSettings, *, verbose: bool = False) -> None:
+    """kopf's log format; the liveness endpoint's access lines only when verbose (the kubelet's probes hit it every
+    10 s, and a line for each drowns the reconcile log)."""
+    kopf.configure(verbose=verbose, log_format=_LOG_FORMATS[settings.log_format])
+    logging.getLogger("aiohttp.access").setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
 def run_operator(settings: OperatorSettings, *, verbose: bool = False) -> None:
     """Block running the operator until SIGINT/SIGTERM."""
-    kopf.configure(verbose=verbose, log_format=_LOG_FORMATS[settings.log_format])
+    configure_logging(settings, verbose=verbose)
     runtime = Runtime.create(settings)
     asyncio.run(kopf.operator(**operator_kwargs(settings, runtime)))
 

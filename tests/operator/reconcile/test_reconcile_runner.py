@@ -77,3 +77,5 @@ async def test_wanloom_operator_process(world: World) -> None:
     records = [json.loads(line) for line in output.decode().splitlines() if line.startswith("{")]
     assert records and all("message" in r and "severity" in r for r in records)  # structured (JSON) logs
     assert any(r.get("object", {}).get("name") == "proc" for r in records if isinstance(r.get("object"), dict))
+    # The kubelet probes /healthz every 10 s: no access line for each.
+    assert "/healthz" not in output.decode()
