@@ -118,8 +118,7 @@ def k8s(cluster: Cluster, crd: dict[str, Any]) -> Any:
     return kubernetes
 
 
-@pytest.fixture
-def namespace(cluster: Cluster) -> Iterator[str]:
+def _throwaway_namespace(cluster: Cluster) -> Iterator[str]:
     from kubernetes import client
 
     name = f"e2e-{uuid.uuid4().hex[:8]}"
@@ -127,3 +126,15 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     core.create_namespace({"metadata": {"name": name}})
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A namespace of this test's own, deleted after it."""
+    yield from _throwaway_namespace(cluster)
+
+
+@pytest.fixture(scope="module")
+def module_namespace(cluster: Cluster) -> Iterator[str]:
+    """A namespace shared by a module's tests (and its module-scoped operator), deleted after them."""
+    yield from _throwaway_namespace(cluster)

@@ -40,14 +40,8 @@ def fake_nodes(cluster: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def namespace(k8s: Any) -> Iterator[str]:
-    import uuid
-
-    name = f"wanloom-e2e-{uuid.uuid4().hex[:6]}"
-    core = k8s.client.CoreV1Api()
-    core.create_namespace({"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name)
+def namespace(k8s: Any, module_namespace: str) -> str:
+    return module_namespace
 
 
 def _start_operator(

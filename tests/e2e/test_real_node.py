@@ -23,7 +23,6 @@ import socket
 import subprocess
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -62,12 +61,8 @@ def storage(cluster: Any, node: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="module")
-def namespace(k8s: Any) -> Iterator[str]:
-    name = f"wanloom-node-{uuid.uuid4().hex[:6]}"
-    core = k8s.client.CoreV1Api()
-    core.create_namespace({"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name)
+def namespace(k8s: Any, module_namespace: str) -> str:
+    return module_namespace
 
 
 @pytest.fixture(scope="module")
