@@ -209,8 +209,10 @@ def materialise(assignment: Assignment, facts: BucketFacts, ranks: Iterable[int]
     idx = idx[np.lexsort((~assignment.real[idx], assignment.slot[idx], assignment.owner[idx]))]
     rows = _RowLists(assignment, idx, facts)
     keys = assignment.owner[idx] * max(assignment.num_slots, 1) + assignment.slot[idx]
+    # One run of rows per (rank, slot) cell that holds any; a rank may hold none (all its cells are dummies).
     bounds = np.flatnonzero(np.diff(keys)) + 1
-    starts, ends = np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [len(idx)]]).tolist()
+    starts = np.concatenate([[0], bounds]).tolist() if len(idx) else []
+    ends = np.concatenate([bounds, [len(idx)]]).tolist() if len(idx) else []
     position = {r: i for i, r in enumerate(wanted)}
     packed = assignment.packed
     if packed is None:
