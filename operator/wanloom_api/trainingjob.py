@@ -81,12 +81,13 @@ DEFAULT_CAPTION_DROPOUT: dict[str, float] = {
     "tiny-ti2v": 0.0,
 }
 # Sampling defaults for validation videos per variant, (steps, shift, guidance (high-noise, low-noise)): the Wan 2.2
-# release's inference configs (wan/configs: t2v_A14B shift 12, guide (4.0 high, 3.0 low); i2v_A14B shift 5, guide
-# 3.5; ti2v_5B shift 5, guide 5), with 40 Euler steps; the tiny models were trained unshifted.
+# release's inference configs (wan/configs: t2v_A14B 40 steps, shift 12, guide (4.0 high, 3.0 low); i2v_A14B 40,
+# shift 5, guide 3.5; ti2v_5B 50, shift 5, guide 5), which sample with UniPC (spec.validation.sampler's default);
+# the tiny models were trained unshifted.
 DEFAULT_SAMPLING: dict[str, tuple[int, float, tuple[float, float]]] = {
     "wan2.2-t2v-a14b": (40, 12.0, (4.0, 3.0)),
     "wan2.2-i2v-a14b": (40, 5.0, (3.5, 3.5)),
-    "wan2.2-ti2v-5b": (40, 5.0, (5.0, 5.0)),
+    "wan2.2-ti2v-5b": (50, 5.0, (5.0, 5.0)),
     "tiny": (8, 1.0, (3.0, 3.0)),
     "tiny-i2v": (8, 1.0, (3.0, 3.0)),
     "tiny-ti2v": (8, 1.0, (3.0, 3.0)),
@@ -553,8 +554,17 @@ class ValidationSpec(_Model):
         "mp4 and a contact sheet under <run dir>/samples/step-NNNNNN/ (beside a gs:// checkpoint root on a "
         "cluster); 0 disables generation.",
     )
+    sampler: Literal["unipc", "euler"] = Field(
+        "unipc",
+        description="unipc: the multistep solver Wan 2.2's release and diffusers' Wan pipelines sample with (the "
+        "videos preview what inference gives); euler: first-order flow-matching steps.",
+    )
     inference_steps: int | None = Field(
-        None, ge=1, le=1000, description="Sampler steps. Default per variant: 40 (Wan 2.2), 8 (tiny)."
+        None,
+        ge=1,
+        le=1000,
+        description="Sampler steps. Default per variant, as the Wan 2.2 release samples: 40 (A14B), 50 (TI2V-5B), "
+        "8 (tiny). The shift is the release's: 12 (T2V-A14B), 5 (I2V-A14B, TI2V-5B), 1 (tiny).",
     )
     guidance_scale: float | None = Field(
         None,
@@ -562,6 +572,11 @@ class ValidationSpec(_Model):
         le=30.0,
         description="Classifier-free guidance for both experts. Default per variant: Wan 2.2's (T2V-A14B 4.0 "
         "high-noise / 3.0 low-noise, I2V-A14B 3.5, TI2V-5B 5.0; tiny 3.0).",
+    )
+    negative_prompt: bool = Field(
+        False,
+        description="Guide the videos away from the dataset's negative prompt (`wanloom data prepare "
+        "--negative-prompt TEXT`, e.g. the Wan release's) instead of the empty prompt the pipelines use by default.",
     )
     prompt_size: BucketSpec | None = Field(
         None,

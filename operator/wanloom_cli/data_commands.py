@@ -46,6 +46,10 @@ def prepare(
     prompts: Annotated[
         Path | None, typer.Option(help="Text file of validation prompts (one per line) to encode with the dataset.")
     ] = None,
+    negative_prompt: Annotated[
+        str | None,
+        typer.Option(help="Text validation videos are guided away from (spec.validation.negativePrompt)."),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Encode captioned media with the Wan VAE and umT5 into latent shards + index; re-run to resume."""
@@ -67,6 +71,7 @@ def prepare(
             device=device,
             encoder_dtype=encoder_dtype,
             prompts=prompts,
+            negative_prompt=negative_prompt,
         )
         result = run_prepare(config, progress=progress)
     except (ValueError, FileNotFoundError) as exc:

@@ -210,3 +210,18 @@ def test_validation_prompts_are_encoded_with_the_dataset(tmp_path: Path, media_s
         assert not got[len(encoded) :].any()
     with pytest.raises(FileNotFoundError, match=r"--prompts .*missing.txt: no such file"):
         prepare(_config(media_set.folder, str(output), tiny_model_root, prompts=tmp_path / "missing.txt"))
+
+
+def test_a_negative_prompt_is_encoded_with_the_dataset(tmp_path: Path, media_set, tiny_model_root: Path) -> None:
+    spy = SpyEncoders(tiny_model_root)
+    output = tmp_path / "ds"
+    prepare(_config(media_set.folder, str(output), tiny_model_root), progress=False, encoders=spy)
+    with open_dataset(str(output), max_bad_samples=0) as ds, pytest.raises(ValueError, match="--negative-prompt"):
+        ds.negative_prompt()
+    negative = "blurry, static, watermark"
+    prepare(_config(media_set.folder, str(output), tiny_model_root, negative_prompt=negative), encoders=spy)
+    (want,) = spy.inner.encode_text([negative], get_variant("tiny").text_len)
+    with open_dataset(str(output), max_bad_samples=0) as ds:
+        got, empty = ds.negative_prompt(), ds.empty_prompt()
+    np.testing.assert_array_equal(got[: len(want)], want)
+    assert not got[len(want) :].any() and not np.array_equal(got, empty)

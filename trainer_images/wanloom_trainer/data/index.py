@@ -21,6 +21,8 @@ INDEX_NAME = "index.json"
 # The text encoder's output for the empty prompt "" (real tokens only, float32 [L, D_text]), beside the index:
 # what caption dropout trains the unconditional branch on.
 EMPTY_PROMPT_NAME = "empty_prompt.npy"
+# `wanloom data prepare --negative-prompt`: what guidance steers validation videos away from (same format).
+NEGATIVE_PROMPT_NAME = "negative_prompt.npy"
 # Validation prompts encoded like the captions (``wanloom data prepare --prompts``): ``text`` float32 [N, L, D]
 # zero-padded to text_len, ``lengths`` [N] real tokens, ``prompts`` the strings.
 PROMPTS_NAME = "prompts.npz"

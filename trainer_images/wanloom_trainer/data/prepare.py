@@ -45,6 +45,8 @@ class PrepareConfig:
         samples_per_shard: sources per shard (the resume unit).
         dtype: storage dtype of the tensors.
         prompts: optional text file, one validation prompt per line, encoded into ``prompts.npz``.
+        negative_prompt: optional text validation videos are guided away from, encoded into
+            ``negative_prompt.npy`` (``spec.validation.negativePrompt``).
     """
 
     inputs: Path
@@ -57,6 +59,7 @@ class PrepareConfig:
     samples_per_shard: int = 256
     dtype: str = "bfloat16"
     prompts: Path | None = field(default=None, compare=False)
+    negative_prompt: str | None = field(default=None, compare=False)
     device: str = field(default="cpu", compare=False)
     encoder_dtype: str = field(default="float32", compare=False)
 
@@ -148,6 +151,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True, encoders: Any = Non
         prompts = read_prompts(config.prompts)
         encoders = encoders or _load_encoders(config, variant)
         writer.write_prompts(prompts, encoders.encode_text(prompts, variant.text_len))
+    if config.negative_prompt:
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_negative_prompt(encoders.encode_text([config.negative_prompt], variant.text_len)[0])
     return PrepareResult(writer.finalize(), writer.skipped())
 
 

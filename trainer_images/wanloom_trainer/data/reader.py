@@ -31,7 +31,13 @@ import numpy as np
 from wanloom_trainer.data import skips
 from wanloom_trainer.data.fit import fit_latents
 from wanloom_trainer.data.format import MEMBERS, TENSOR_MEMBERS, CorruptSample, decode_tensor
-from wanloom_trainer.data.index import EMPTY_PROMPT_NAME, INDEX_NAME, PROMPTS_NAME, ShapeIndex
+from wanloom_trainer.data.index import (
+    EMPTY_PROMPT_NAME,
+    INDEX_NAME,
+    NEGATIVE_PROMPT_NAME,
+    PROMPTS_NAME,
+    ShapeIndex,
+)
 from wanloom_trainer.data.outage import OutageHook, StorageBreaker
 from wanloom_trainer.data.shards import payload_crc
 from wanloom_trainer.data.storage import MissingObject, RetryPolicy, Storage, open_storage, split_uri
@@ -150,7 +156,19 @@ class LatentDataset:
                 f"{needed_by}: the dataset at {self.storage.uri} has no {EMPTY_PROMPT_NAME} (datasets prepared "
                 "before it existed); re-run `wanloom data prepare` on it, or turn the setting off"
             )
-        text = np.load(io.BytesIO(self.storage.read(EMPTY_PROMPT_NAME)), allow_pickle=False)
+        return self._prompt_embedding(EMPTY_PROMPT_NAME)
+
+    def negative_prompt(self, needed_by: str = "spec.validation.negativePrompt") -> np.ndarray:
+        """float32 [text_len, text_dim]: the negative prompt ``wanloom data prepare --negative-prompt`` encoded."""
+        if not self.storage.exists(NEGATIVE_PROMPT_NAME):
+            raise ValueError(
+                f"{needed_by}: the dataset at {self.storage.uri} has no {NEGATIVE_PROMPT_NAME}; encode one with "
+                "`wanloom data prepare ... --negative-prompt TEXT`, or set negativePrompt: false"
+            )
+        return self._prompt_embedding(NEGATIVE_PROMPT_NAME)
+
+    def _prompt_embedding(self, name: str) -> np.ndarray:
+        text = np.load(io.BytesIO(self.storage.read(name)), allow_pickle=False)
         padded = np.zeros((self.text_len, self.text_dim), np.float32)
         padded[: text.shape[0]] = text
         return padded

@@ -22,6 +22,7 @@ from wanloom_trainer.data.format import MEMBERS, EncodedSample, encode_sample
 from wanloom_trainer.data.index import (
     EMPTY_PROMPT_NAME,
     INDEX_NAME,
+    NEGATIVE_PROMPT_NAME,
     PROMPTS_NAME,
     DatasetHeader,
     ShapeIndex,
@@ -53,15 +54,21 @@ class DatasetWriter:
 
     def write_empty_prompt(self, text: np.ndarray) -> None:
         """Store the empty prompt's embedding (float32 [L, D_text], L ≤ text_len real tokens) with the dataset."""
+        self._write_prompt_embedding(EMPTY_PROMPT_NAME, text)
+
+    def write_negative_prompt(self, text: np.ndarray) -> None:
+        """Store the negative prompt's embedding (as ``write_empty_prompt``)."""
+        self._write_prompt_embedding(NEGATIVE_PROMPT_NAME, text)
+
+    def _write_prompt_embedding(self, name: str, text: np.ndarray) -> None:
         text = np.asarray(text, np.float32)
         if text.ndim != 2 or text.shape[1] != self.header.text_dim or not 1 <= text.shape[0] <= self.header.text_len:
             raise ValueError(
-                f"empty-prompt embedding has shape {text.shape}; expected [1..{self.header.text_len}, "
-                f"{self.header.text_dim}]"
+                f"{name}: embedding of shape {text.shape}; expected [1..{self.header.text_len}, {self.header.text_dim}]"
             )
         buffer = io.BytesIO()
         np.save(buffer, text, allow_pickle=False)
-        self.storage.write(EMPTY_PROMPT_NAME, buffer.getvalue())
+        self.storage.write(name, buffer.getvalue())
 
     def write_prompts(self, prompts: list[str], texts: list[np.ndarray]) -> None:
         """Store validation prompts and their embeddings (each float32 [L_i, D_text]) with the dataset."""

@@ -48,7 +48,7 @@ def sampler_config(config: TrainConfig) -> SamplerConfig:
         steps = spec.inference_steps
     if spec.guidance_scale is not None:
         guidance = (spec.guidance_scale, spec.guidance_scale)
-    return SamplerConfig(steps, shift, config.routing.boundary_ratio, guidance)
+    return SamplerConfig(steps, shift, config.routing.boundary_ratio, guidance, solver=spec.sampler)
 
 
 class SampleWriter:
@@ -60,7 +60,10 @@ class SampleWriter:
         self.ids = [int(i) for i in sample_ids[: config.validation.videos]]
         self.sampler = sampler_config(config)
         # Both fail at the start of the run, not at the first validation: the unconditional prompt, and the VAE.
-        self.empty_text = dataset.empty_prompt(needed_by="spec.validation.videos")
+        if config.validation.negative_prompt:
+            self.negative_text = dataset.negative_prompt()
+        else:
+            self.negative_text = dataset.empty_prompt(needed_by="spec.validation.videos")
         self._decode_spec = DecodeSpec(self._vae_source(), config.model.wan.latent_channels, config.seed, FPS)
         size = config.validation.prompt_size
         self.prompt_texts, self.prompts = dataset.validation_prompts() if size is not None else (np.zeros(0), [])
@@ -96,7 +99,7 @@ class SampleWriter:
     def _generate(self, state: Any, noise: np.ndarray, text: np.ndarray, condition: np.ndarray | None) -> np.ndarray:
         predict = self.backend.predict
         return sample(
-            lambda e, x, t, c: predict(state, e, x, t, c), noise, text, self.empty_text, self.sampler, condition
+            lambda e, x, t, c: predict(state, e, x, t, c), noise, text, self.negative_text, self.sampler, condition
         )
 
     def _write(self, latents: dict[str, np.ndarray], folder: str) -> Samples:
