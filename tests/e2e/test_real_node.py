@@ -15,12 +15,14 @@ restarts the JobSet, the run resumes from its last committed checkpoint and the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -326,3 +328,48 @@ def test_two_torch_pods_train_through_the_gpu_images_launcher(
     # DCP checkpoints written by both ranks (one shard file each) and committed (.metadata last).
     files = "__0_0.distcp __1_0.distcp .metadata"
     assert {interval, steps} <= _checkpoint_steps(storage, f"{namespace}/{name}/checkpoints/", files)
+
+
+def test_a_pod_whose_data_fails_ends_the_job_at_once_with_its_reason(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str, tmp_path: Path
+) -> None:
+    """Pod 1 finds a corrupt sample at its first step (maxBadSamples 0): a failure of the job's inputs, which a
+    restart would repeat. Its trainer exits at once with the configuration-error status, the JobSet fails without
+    restarting, and the TrainingJob says why; pod 0, blocked in a collective with it, does not hold the run for a
+    restart cycle (it waited in jax.distributed's shutdown barrier for five minutes per attempt before)."""
+    from wanloom_api.validation import parse_trainingjob
+    from wanloom_trainer.checkpoint.gcs import GcsLocation, upload_dir
+
+    name = "tiny-bad-data"
+    doc = _trainingjob(name, namespace, node, steps=100, interval=50)
+    doc["spec"]["data"]["maxBadSamples"] = 0
+    sample = _tiny_job().corrupt_sample_of_rank(parse_trainingjob(doc), tmp_path / "data", 1, tmp_path / "run")
+    os.environ["STORAGE_EMULATOR_HOST"] = storage
+    os.environ.setdefault("GOOGLE_CLOUD_PROJECT", "wanloom-test")
+    upload_dir(tmp_path / "data", GcsLocation.parse(doc["spec"]["data"]["uri"]))
+    started = time.monotonic()
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    status = _wait(
+        lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+        "the job to fail",
+    )
+    took = time.monotonic() - started
+    pods = _pods(k8s, namespace, name)
+    print(f"injected: corrupt sample {sample} read by pod 1; found: {status['phase']} after {took:.0f} s, "
+          f"{status.get('restarts', 0)} restarts: {status.get('message')!r}")  # fmt: skip
+    assert status["phase"] == "Failed", (status, _logs(k8s, namespace, pods))
+    assert status.get("restarts", 0) == 0
+    index = "batch.kubernetes.io/job-completion-index"
+    second = next(p.metadata.name for p in pods if p.metadata.annotations.get(index) == "1")
+    assert status["message"].startswith(f"pod {second}: wanloom trainer: "), status["message"]
+    assert "maxBadSamples" in status["message"], status["message"]
+    assert took < 180, f"{took:.0f} s to fail"  # pods start in ~20 s; a restart cycle was 5 minutes
+
+
+def _tiny_job() -> Any:
+    """tests/trainer/train/scripts/tiny_job.py (its helpers build and break the tiny job's data)."""
+    path = ROOT / "tests" / "trainer" / "train" / "scripts" / "tiny_job.py"
+    spec = importlib.util.spec_from_file_location("wanloom_e2e_tiny_job", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -7,7 +7,9 @@ Two phases, in this order:
 2. ``initialize_jax(config.distributed)``: ``jax.distributed.initialize`` with the coordinator (process 0's
    ``host:port``), the process count (slices × hosts per slice) and the *global* process id
    (``slice_index · hosts_per_slice + host_index``; the per-Job completion index alone repeats across slices).
-   A single-process job skips it. CPU processes exchange collectives over gloo.
+   A single-process job skips it. CPU processes exchange collectives over gloo. A process that stops answering
+   (killed, or its node lost) is noticed by the coordination service after ``HEARTBEAT_TIMEOUT_S``, and every
+   other process then ends (jax aborts it) instead of waiting in its next collective until the JobSet restarts.
 
 The values come from ``TrainConfig.distributed`` (``config.train_config`` is the only reader of the environment).
 """
@@ -32,6 +34,9 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # compiles nothing either way. A flag already in XLA_FLAGS wins.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 FAST_COMPILE_MAX_STEPS = 400
+# jax's default is 100 s. Heartbeats come from a thread of their own, so compiling or a long step does not delay
+# them; a dead peer is noticed within about this long (the service checks a few times per timeout).
+HEARTBEAT_TIMEOUT_S = 30
 
 
 def devices_per_process(config: TrainConfig) -> int:
@@ -85,4 +90,5 @@ def initialize_jax(dist: DistributedConfig) -> None:
         coordinator_address=dist.coordinator_address,
         num_processes=dist.num_processes,
         process_id=dist.process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
     )

@@ -37,7 +37,9 @@ from wanloom_api.keys import ENV_SHUTDOWN_SECONDS, EXIT_CONFIG_ERROR
 log = logging.getLogger("wanloom_trainer.launcher")
 STOPPED = 143  # 128 + SIGTERM: the workers checkpointed and stopped
 DEFAULT_SHUTDOWN_S = 270.0  # outside a pod (no WANLOOM_SHUTDOWN_SECONDS): the chart's default grace less a margin
-FAILURE_GRACE_S = 30.0
+# After a worker failed, the others get SIGTERM and this long before SIGKILL: a peer of a failed rank is blocked in
+# a collective and can neither checkpoint nor see the signal, so waiting longer only delays the pod's exit.
+FAILURE_GRACE_S = 5.0
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1
 

@@ -26,9 +26,10 @@ from wanloom_operator.reconcile.status import (
     derive_phase,
     derive_status,
     run_deadline,
+    trainer_failure,
 )
 from wanloom_operator.render.names import Names, job_names
-from wanloom_operator.render.pods import pod_shape
+from wanloom_operator.render.pods import CONTAINER_NAME, pod_shape
 
 
 def owner_name(jobset: Mapping[str, Any]) -> str | None:
@@ -65,15 +66,17 @@ async def _write_status(
         return None
     if jobset is not None and not owned_by(jobset, trainingjob):
         jobset = None
+    failure = None
     if jobset is not None:
         jobset = await _stop_past_deadline(jobset, trainingjob, runtime, now)
+        failure = await _trainer_failure(jobset, trainingjob, runtime, now)
 
     def compute(current: dict[str, Any]) -> dict[str, Any]:
         status = current.get("status") or {}
         patch: dict[str, Any] = {}
         if jobset is not None:
             generation = (current.get("metadata") or {}).get("generation")
-            derived = derive_status(dict(jobset), _intent(current), status, now, generation)
+            derived = derive_status(dict(jobset), _intent(current), status, now, generation, failure)
             patch = derived if changed(derived, status) else {}
         if progress_patch:
             patch["progress"] = progress_patch
@@ -101,6 +104,20 @@ async def _stop_past_deadline(
         f"{meta['namespace']}/{meta['name']}: spec.activeDeadlineSeconds ran out, JobSet suspended"
     )
     return {**jobset, "spec": {**spec, "suspend": True}}
+
+
+async def _trainer_failure(
+    jobset: Mapping[str, Any], trainingjob: Mapping[str, Any], runtime: Runtime, now: str
+) -> str | None:
+    """The failed trainer's own reason (``status.trainer_failure``), read from the JobSet's pods once: when the
+    JobSet has just failed and the TrainingJob is not Failed yet."""
+    if (trainingjob.get("status") or {}).get("phase") == cond.Phase.FAILED:
+        return None
+    if derive_phase(dict(jobset), _intent(trainingjob), now).phase != cond.Phase.FAILED:
+        return None
+    meta = jobset["metadata"]
+    pods = await runtime.cluster.list_pods(meta["namespace"], f"{keys.JOBSET_NAME}={meta['name']}")
+    return trainer_failure(pods, CONTAINER_NAME)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from wanloom_api import conditions as cond
+from wanloom_api import keys
 from wanloom_api.conditions import TERMINAL_PHASES, Phase, Reason
 
 # The phases that have a condition of their own (True while the job is in that phase).
@@ -91,11 +92,19 @@ def derive_phase(jobset: dict[str, Any], intent: Intent, now: str | None = None)
 
 
 def derive_status(
-    jobset: dict[str, Any], intent: Intent, previous: dict[str, Any], now: str, generation: int | None = None
+    jobset: dict[str, Any],
+    intent: Intent,
+    previous: dict[str, Any],
+    now: str,
+    generation: int | None = None,
+    failure: str | None = None,
 ) -> dict[str, Any]:
     """The status patch for the TrainingJob owning ``jobset``; ``previous`` is its current status, ``generation``
-    the TrainingJob's metadata.generation (recorded on each condition)."""
+    the TrainingJob's metadata.generation (recorded on each condition), ``failure`` what the failed trainer said
+    (``trainer_failure``): the message of a Failed phase, in place of the JobSet's generic one."""
     info = derive_phase(jobset, intent, now)
+    if failure and info.phase == Phase.FAILED:
+        info = PhaseInfo(info.phase, info.reason, failure)
     conditions = list(previous.get("conditions") or [])
     for phase, type_ in _PHASE_CONDITIONS.items():
         active = info.phase == phase
@@ -134,6 +143,26 @@ def derive_status(
     if info.phase == Phase.SUCCEEDED and intent.export_uri:
         patch["exportUri"] = intent.export_uri
     return patch
+
+
+def trainer_failure(pods: list[dict[str, Any]], container: str) -> str | None:
+    """What the trainer of a failed run said: the termination message of ``container`` in the first pod that ended
+    with the configuration-error status, else in the first pod that failed; None when none left one.
+
+    The trainer writes its one-line reason to the termination log (``wanloom_trainer.__main__``); the kubelet falls
+    back to the log's last lines for a crash (``terminationMessagePolicy: FallbackToLogsOnError``)."""
+    failed = []
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            ended = (status.get("state") or {}).get("terminated") or (status.get("lastState") or {}).get("terminated")
+            if status.get("name") != container or not ended or not ended.get("exitCode"):
+                continue
+            message = (ended.get("message") or "").strip()
+            if message:
+                name = (pod.get("metadata") or {}).get("name", "")
+                config_error = ended["exitCode"] == keys.EXIT_CONFIG_ERROR
+                failed.append((not config_error, ended.get("finishedAt") or "", f"pod {name}: {message}"))
+    return min(failed)[2] if failed else None
 
 
 def parse_time(value: str) -> datetime:

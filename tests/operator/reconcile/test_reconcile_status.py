@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from wanloom_api.trainingjob import TrainingJobStatus
-from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status
+from wanloom_operator.reconcile.status import Intent, changed, derive_phase, derive_status, trainer_failure
 
 
 def jobset(suspend: bool = False, replicas: int = 2, conditions: Any = (), **rjs: int) -> dict[str, Any]:
@@ -98,3 +98,29 @@ def test_a_succeeded_run_names_its_export_and_a_running_one_does_not() -> None:
     TrainingJobStatus.model_validate(done)
     for js in (jobset(active=2, ready=2), jobset(conditions=[("Failed", "True", "ReachedMaxRestarts")])):
         assert "exportUri" not in derive_status(js, intent, {}, now="T1")
+
+
+def _pod(name: str, code: int, message: str, finished: str, container: str = "trainer") -> dict[str, Any]:
+    ended = {"exitCode": code, "message": message, "finishedAt": finished}
+    statuses = [{"name": container, "state": {"terminated": ended}}]
+    return {"metadata": {"name": name}, "status": {"containerStatuses": statuses}}
+
+
+def test_a_failed_run_says_what_the_trainer_said() -> None:
+    """The configuration error of pod 1 is the reason, not the SIGKILLed peer that ended earlier or later."""
+    pods = [
+        _pod("js-slice-0-0", 137, "killed", "2026-12-06T10:00:01Z"),
+        _pod("js-slice-0-1", 3, "wanloom trainer: more than spec.data.maxBadSamples=0", "2026-12-06T10:00:05Z"),
+        _pod("js-slice-0-2", 3, "", "2026-12-06T10:00:00Z"),  # no message: nothing to say
+        _pod("js-slice-0-3", 3, "not the trainer", "2026-12-06T09:00:00Z", container="sidecar"),
+    ]
+    reason = trainer_failure(pods, "trainer")
+    assert reason == "pod js-slice-0-1: wanloom trainer: more than spec.data.maxBadSamples=0"
+    assert trainer_failure(pods[:1], "trainer") == "pod js-slice-0-0: killed"
+    assert trainer_failure([_pod("p", 0, "done", "T")], "trainer") is None
+    failed = jobset(conditions=[("Failed", "True", "FailedJobs")])
+    patch = derive_status(failed, Intent(), {}, now="T", failure=reason)
+    assert patch["message"] == reason
+    assert next(c for c in patch["conditions"] if c["type"] == "Failed")["message"] == reason
+    running = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T", failure=reason)
+    assert "message" not in running  # only a failed phase takes it

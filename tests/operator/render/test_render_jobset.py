@@ -106,6 +106,8 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
         assert shm["sizeLimit"] == f"{int(requests['memory'][:-1]) // 4}G"
         assert int(requests["cpu"]) > 0  # never BestEffort
     assert {"name": "metrics", "containerPort": job.spec.metrics_port, "protocol": "TCP"} in container["ports"]
+    # The trainer's reason for failing reaches the TrainingJob's status through the termination message.
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     # The trainer reads back exactly the validated spec (suspend is the operator's business).
     config = parse_trainingjob(yaml.safe_load(cm["data"][keys.CONFIG_FILE_NAME]))
     assert config.spec == job.spec.model_copy(update={"suspend": False})

@@ -35,3 +35,31 @@ def write_job(path: str | Path, job: TrainingJob) -> Path:
     path = Path(path)
     path.write_text(yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True)))
     return path
+
+
+def corrupt_sample_of_rank(job: TrainingJob, data_dir: str | Path, rank: int, run_dir: str | Path) -> int:
+    """Write ``job``'s synthetic dataset into ``data_dir`` (a local folder) and break the latents of one sample that
+    data-parallel ``rank`` loads at step 0 (its .npy header zeroed: the loader cannot parse it); the sample's id."""
+    import json
+
+    from wanloom_api.validation import with_spec
+    from wanloom_trainer.data import ensure_synthetic
+    from wanloom_trainer.data.reader import read_index
+    from wanloom_trainer.train.inputs import make_planner
+
+    data_dir = Path(data_dir)
+    job = with_spec(job, "a local copy of the job's data", data={"uri": str(data_dir)})
+    config = from_trainingjob(job, {"WANLOOM_RUN_DIR": str(run_dir)})
+    ensure_synthetic(config.data, config.model.wan, progress=False)
+    shapes = read_index(config.data.uri, config.data.index).sample_shapes()
+    layout = "per-rank" if config.backend == "torch" else "spmd"
+    plan = make_planner(config, shapes, layout=layout).plan_local(0, [rank])
+    mbs = plan.ranks[rank].micro_batches
+    sample = next(i for mb in mbs for i, w in zip(mb.sample_ids, mb.weights, strict=True) if w > 0)
+    doc = json.loads((data_dir / "index.json").read_text())
+    rows = doc["samples"]
+    offset = rows["span"][sample][0] + rows["member_ranges"][sample][0][0]
+    with open(data_dir / doc["shards"][rows["shard"][sample]], "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * 64)
+    return sample
