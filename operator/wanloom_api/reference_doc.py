@@ -30,9 +30,9 @@ _CROSS_FIELD = """## Cross-field rules
 - `resources.gpu.perNode` divides 8 for h100, h200 and b200; the torch backend on `cpu` takes `devicesPerNode: 1`.
 - `parallelism`: data x fsdp x context x tensor equals the job's devices; one degree may be -1 to fill the rest.
 - `training.globalBatch` >= data x fsdp (every data-parallel rank gets a sample).
-- `routing.boundaryRatio` must be unset for the single-model `wan2.2-ti2v-5b` and `tiny-ti2v`; defaults: 0.875
-  T2V and tiny, 0.900 I2V and tiny-i2v.
-- `training.imageToVideoFraction` only for the unified `wan2.2-ti2v-5b` and `tiny-ti2v` (default 0.5).
+- `routing.boundaryRatio` must be unset for the single-model `wan2.2-ti2v-5b`, `tiny-ti2v` and `mini-ti2v`;
+  defaults: 0.875 T2V, tiny and mini-t2v, 0.900 I2V, tiny-i2v and mini-i2v.
+- `training.imageToVideoFraction` only for the unified `wan2.2-ti2v-5b`, `tiny-ti2v` and `mini-ti2v` (default 0.5).
 - `kernels.attention`: `splash` needs TPU; `sdpa`/`flash` need the torch backend; `xla` the jax backend.
 - URIs (`model.weights`, `data.uri`, `data.index`, `training.checkpoint.uri`, `adaptiveLoad.benchFile`) are
   `gs://bucket/prefix` or paths.

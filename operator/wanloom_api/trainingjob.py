@@ -34,8 +34,20 @@ SINGULAR = "trainingjob"
 SHORT_NAMES = ("tj",)
 
 # The tiny variants are CPU-sized stand-ins for the three Wan 2.2 modes: tiny (two experts, text-to-video),
-# tiny-i2v (two experts, image condition channels) and tiny-ti2v (one model, per-token timesteps).
-Variant = Literal["wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "tiny", "tiny-i2v", "tiny-ti2v"]
+# tiny-i2v (two experts, image condition channels) and tiny-ti2v (one model, per-token timesteps). The mini variants
+# are the same modes shaped like the real models at their smallest (head_dim 128, freq_dim 256, text_dim 4096, the
+# real channel counts, two layers): what tools that read a model's size off its weights (ComfyUI) accept.
+Variant = Literal[
+    "wan2.2-t2v-a14b",
+    "wan2.2-i2v-a14b",
+    "wan2.2-ti2v-5b",
+    "tiny",
+    "tiny-i2v",
+    "tiny-ti2v",
+    "mini-t2v",
+    "mini-i2v",
+    "mini-ti2v",
+]
 # Inference boundary between the experts as a fraction of the 1000-step schedule (official Wan 2.2 configs);
 # None marks a single-model variant, for which routing has no boundary.
 DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
@@ -45,6 +57,9 @@ DEFAULT_BOUNDARY_RATIO: dict[str, float | None] = {
     "tiny": 0.875,
     "tiny-i2v": 0.900,
     "tiny-ti2v": None,
+    "mini-t2v": 0.875,
+    "mini-i2v": 0.900,
+    "mini-ti2v": None,
 }
 # Training timestep distribution per variant when spec.routing leaves it unset: DiffSynth-Studio's Wan 2.2 recipe
 # (examples/wanvideo/model_training: FlowMatchScheduler with shift 5, timestep index drawn uniformly; its A14B
@@ -57,6 +72,9 @@ DEFAULT_TIMESTEPS: dict[str, tuple[Literal["uniform", "logit-normal"], float]] =
     "tiny": ("uniform", 1.0),
     "tiny-i2v": ("uniform", 1.0),
     "tiny-ti2v": ("uniform", 1.0),
+    "mini-t2v": ("uniform", 1.0),
+    "mini-i2v": ("uniform", 1.0),
+    "mini-ti2v": ("uniform", 1.0),
 }
 # Share of video samples a unified text/image-to-video model (per-token timesteps) trains as image-to-video when
 # spec.training.imageToVideoFraction is unset; None marks variants without that mode. Wan 2.2 trains TI2V-5B on
@@ -68,6 +86,9 @@ DEFAULT_IMAGE_TO_VIDEO_FRACTION: dict[str, float | None] = {
     "tiny": None,
     "tiny-i2v": None,
     "tiny-ti2v": 0.5,
+    "mini-t2v": None,
+    "mini-i2v": None,
+    "mini-ti2v": 0.5,
 }
 # Share of samples trained on the empty prompt (classifier-free guidance) when spec.data.captionDropout is unset:
 # 10% for full fine-tuning of the Wan models, the share classifier-free-guidance training commonly drops; none for
@@ -79,6 +100,9 @@ DEFAULT_CAPTION_DROPOUT: dict[str, float] = {
     "tiny": 0.0,
     "tiny-i2v": 0.0,
     "tiny-ti2v": 0.0,
+    "mini-t2v": 0.0,
+    "mini-i2v": 0.0,
+    "mini-ti2v": 0.0,
 }
 # Sampling defaults for validation videos per variant, (steps, shift, guidance (high-noise, low-noise)): the Wan 2.2
 # release's inference configs (wan/configs: t2v_A14B 40 steps, shift 12, guide (4.0 high, 3.0 low); i2v_A14B 40,
@@ -91,6 +115,9 @@ DEFAULT_SAMPLING: dict[str, tuple[int, float, tuple[float, float]]] = {
     "tiny": (8, 1.0, (3.0, 3.0)),
     "tiny-i2v": (8, 1.0, (3.0, 3.0)),
     "tiny-ti2v": (8, 1.0, (3.0, 3.0)),
+    "mini-t2v": (8, 1.0, (3.0, 3.0)),
+    "mini-i2v": (8, 1.0, (3.0, 3.0)),
+    "mini-ti2v": (8, 1.0, (3.0, 3.0)),
 }
 # What splitting a sample's sequence over ranks depends on, per variant: (attention heads, pixels per token along
 # frames, height and width = VAE stride × patch). Ulysses context parallelism splits the heads, so the context degree
@@ -103,6 +130,9 @@ SEQUENCE_GEOMETRY: dict[str, tuple[int, tuple[int, int, int]]] = {
     "tiny": (2, (4, 16, 16)),
     "tiny-i2v": (2, (4, 16, 16)),
     "tiny-ti2v": (2, (4, 16, 16)),
+    "mini-t2v": (2, (4, 16, 16)),
+    "mini-i2v": (2, (4, 16, 16)),
+    "mini-ti2v": (2, (4, 32, 32)),
 }
 
 
@@ -112,9 +142,10 @@ def tokens_per_sample(variant: str, frames: int, height: int, width: int) -> int
     return ((frames - 1) // ft + 1) * (height // fh) * (width // fw)
 
 
-TINY_VARIANTS: tuple[str, ...] = ("tiny", "tiny-i2v", "tiny-ti2v")  # toy models: random weights are fine
+# Toy models: random weights are fine (and a small random VAE decodes their validation videos).
+TINY_VARIANTS: tuple[str, ...] = ("tiny", "tiny-i2v", "tiny-ti2v", "mini-t2v", "mini-i2v", "mini-ti2v")
 # Variants conditioned on an image (the I2V layout): they cannot generate from a text prompt alone.
-IMAGE_CONDITIONED_VARIANTS: tuple[str, ...] = ("wan2.2-i2v-a14b", "tiny-i2v")
+IMAGE_CONDITIONED_VARIANTS: tuple[str, ...] = ("wan2.2-i2v-a14b", "tiny-i2v", "mini-i2v")
 PROMPTS_NEED_TEXT_TO_VIDEO = "validation.promptSize: an image-to-video variant cannot generate from a prompt alone"
 DType = Literal["float32", "bfloat16"]
 AdalnImpl = Literal["fused", "reference"]
@@ -249,7 +280,8 @@ class _Model(BaseModel):
 class ModelSpec(_Model):
     variant: Variant = Field(
         description="Wan model to train; 'tiny', 'tiny-i2v' and 'tiny-ti2v' are toy models of the three modes for "
-        "CPU runs."
+        "CPU runs; 'mini-t2v', 'mini-i2v' and 'mini-ti2v' the same modes shaped like the real models at their smallest "
+        "(head_dim 128, text_dim 4096, the real channels; two layers), whose exports ComfyUI's loaders accept."
     )
     weights: StorageURI | None = Field(
         None,
@@ -280,7 +312,8 @@ class RoutingSpec(_Model):
         None,
         gt=0.0,
         description="Time shift s: sigma' = s*sigma/(1+(s-1)*sigma); 1 disables it. Default per variant: 5 for Wan 2.2 "
-        "(DiffSynth-Studio's recipe: 42% of T2V samples reach the high-noise expert), 1 for tiny.",
+        "(DiffSynth-Studio's recipe: 42% of T2V samples reach the high-noise expert), 1 for the tiny and mini "
+        "variants.",
     )
     loss_weighting: Literal["none", "bell"] = Field(
         "none", description="Per-timestep loss weight, normalised over the 1000-point grid."
@@ -308,7 +341,7 @@ class DataSpec(_Model):
         lt=1.0,
         description="Share of samples trained with the empty-prompt embedding (the unconditional branch "
         "classifier-free guidance needs; `wanloom data prepare` stores it with the dataset). Default per variant: "
-        "0.1 for the Wan models, 0 for tiny.",
+        "0.1 for the Wan models, 0 for the tiny and mini variants.",
     )
     max_bad_samples: int = Field(
         100, ge=0, description="Distinct corrupt or missing samples skipped (and counted) before the run fails."
@@ -564,14 +597,14 @@ class ValidationSpec(_Model):
         ge=1,
         le=1000,
         description="Sampler steps. Default per variant, as the Wan 2.2 release samples: 40 (A14B), 50 (TI2V-5B), "
-        "8 (tiny). The shift is the release's: 12 (T2V-A14B), 5 (I2V-A14B, TI2V-5B), 1 (tiny).",
+        "8 (tiny, mini). The shift is the release's: 12 (T2V-A14B), 5 (I2V-A14B, TI2V-5B), 1 (tiny, mini).",
     )
     guidance_scale: float | None = Field(
         None,
         ge=1.0,
         le=30.0,
         description="Classifier-free guidance for both experts. Default per variant: Wan 2.2's (T2V-A14B 4.0 "
-        "high-noise / 3.0 low-noise, I2V-A14B 3.5, TI2V-5B 5.0; tiny 3.0).",
+        "high-noise / 3.0 low-noise, I2V-A14B 3.5, TI2V-5B 5.0; tiny and mini 3.0).",
     )
     negative_prompt: bool = Field(
         False,
@@ -646,7 +679,8 @@ class TrainingSpec(_Model):
         ge=0.0,
         le=1.0,
         description="Share of video samples trained as image-to-video by a unified model (wan2.2-ti2v-5b, "
-        "tiny-ti2v): the first latent frame is given clean with timestep 0 on its tokens and left out of the loss. "
+        "tiny-ti2v, mini-ti2v): the first latent frame is given clean with timestep 0 on its tokens and left out of "
+        "the loss. "
         "Default 0.5 there; must be unset for other variants.",
     )
 

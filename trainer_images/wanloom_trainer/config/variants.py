@@ -89,6 +89,9 @@ _TINY = WanVariant(
     name="tiny", dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_channels=4, out_channels=4, text_dim=32,
     text_len=16, freq_dim=32,
 )  # fmt: skip
+_MINI = WanVariant(
+    name="mini-t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=2, in_channels=16, out_channels=16, text_len=32
+)
 VARIANTS: dict[str, WanVariant] = {
     "wan2.2-t2v-a14b": WanVariant(
         name="wan2.2-t2v-a14b", dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=16, out_channels=16
@@ -122,6 +125,21 @@ VARIANTS: dict[str, WanVariant] = {
     "tiny-i2v": dataclasses.replace(_TINY, name="tiny-i2v", in_channels=12, condition_channels=8),
     # The TI2V-5B layout at tiny size: one model with per-token timesteps (the image rides in latent frame 0).
     "tiny-ti2v": dataclasses.replace(_TINY, name="tiny-ti2v", two_experts=False, per_token_timesteps=True),
+    # The three modes shaped like the real models at their smallest: heads of 128, freq_dim 256, text_dim 4096 and
+    # the real channel counts, so that loaders that read a Wan model's size off its weights (ComfyUI derives heads as
+    # dim // 128 and fixes freq_dim and text_dim) accept their exports. Two layers; a short text length keeps the
+    # synthetic datasets small (it shapes no weight).
+    "mini-t2v": _MINI,
+    "mini-i2v": dataclasses.replace(_MINI, name="mini-i2v", in_channels=36, condition_channels=20),
+    "mini-ti2v": dataclasses.replace(
+        _MINI,
+        name="mini-ti2v",
+        in_channels=48,
+        out_channels=48,
+        vae_stride=(4, 16, 16),
+        two_experts=False,
+        per_token_timesteps=True,
+    ),
 }
 
 

@@ -83,6 +83,16 @@ DEFAULT_MIXTURES: dict[str, tuple[ShapeMix, ...]] = {
     "tiny": _TINY,
     "tiny-i2v": _TINY,
     "tiny-ti2v": _TINY,
+    "mini-t2v": _TINY,
+    "mini-i2v": _TINY,
+    # Stride 16 x patch 2: sizes in multiples of 32 pixels.
+    "mini-ti2v": (
+        ShapeMix(1, 64, 64, 3),
+        ShapeMix(1, 64, 96, 2),
+        ShapeMix(1, 96, 64, 1),
+        ShapeMix(9, 64, 64, 2),
+        ShapeMix(17, 32, 64, 1),
+    ),
 }
 
 

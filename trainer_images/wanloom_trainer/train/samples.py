@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from wanloom_api.trainingjob import DEFAULT_SAMPLING
+from wanloom_api.trainingjob import DEFAULT_SAMPLING, TINY_VARIANTS
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.sampling.media import DecodeSpec, can_decode
 from wanloom_trainer.sampling.sampler import SamplerConfig, sample
@@ -143,7 +143,7 @@ class SampleWriter:
         """``spec.validation.vae``, else ``<model.weights>/vae``; None: the tiny variants' small random VAE."""
         spec, weights = self.config.validation, self.config.model.weights
         folder = spec.vae or (f"{weights.rstrip('/')}/vae" if weights else None)
-        if folder is None and not self.config.model.variant.startswith("tiny"):
+        if folder is None and self.config.model.variant not in TINY_VARIANTS:
             raise ValueError(
                 "spec.validation.videos: no VAE to decode the videos with; set spec.validation.vae (a diffusers "
                 "vae/ folder) or spec.model.weights, or set videos: 0"
