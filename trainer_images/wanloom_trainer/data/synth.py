@@ -85,14 +85,8 @@ DEFAULT_MIXTURES: dict[str, tuple[ShapeMix, ...]] = {
     "tiny-ti2v": _TINY,
     "mini-t2v": _TINY,
     "mini-i2v": _TINY,
-    # Stride 16 x patch 2: sizes in multiples of 32 pixels.
-    "mini-ti2v": (
-        ShapeMix(1, 64, 64, 3),
-        ShapeMix(1, 64, 96, 2),
-        ShapeMix(1, 96, 64, 1),
-        ShapeMix(9, 64, 64, 2),
-        ShapeMix(17, 32, 64, 1),
-    ),
+    # Stride 16 x patch 2: sides in multiples of 32 pixels.
+    "mini-ti2v": (*_TINY[:-1], ShapeMix(17, 32, 64, 1)),
 }
 
 
