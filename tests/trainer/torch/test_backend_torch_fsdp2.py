@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 STEPS = 3  # step 1 routes to the high-noise expert only
+ADAM_NOISE = 1e-2 * 3e-3 * STEPS  # 1% of AdamW's largest move of an element (test_context_parallel.py says why)
 
 
 def _assert_same_run(a: list[dict], b: list[dict], rtol: float) -> None:
@@ -29,7 +30,7 @@ def test_two_process_fsdp2_steps_equal_the_single_process_steps(write_job, run_w
     want, got = np.load(tmp_path / "one" / "params.npz"), np.load(tmp_path / "two" / "params.npz")
     assert sorted(want) == sorted(got)
     for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=ADAM_NOISE, err_msg=key)
 
 
 @pytest.mark.slow

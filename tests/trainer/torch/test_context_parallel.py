@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 
 STEPS = 3  # step 1 routes to the high-noise expert only
+# AdamW moves an element by about the learning rate (tiny-local's 3e-3) per step whatever its gradient's size, so an
+# element whose gradient is near zero moves by an amount reduction-order noise decides; measured: 8.4e-6 once in CI.
+# The weights agree to 1% of the most any element can move; the losses and gradient norms carry the tight check.
+ADAM_NOISE = 1e-2 * 3e-3 * STEPS
 
 CASES = {
     "t2v-reference-context2": dict(variant="tiny", adaln="reference", remat="none", fsdp=1, processes=2),
@@ -52,4 +56,4 @@ def test_context_parallel_steps_equal_the_unsharded_steps(case, write_job, run_w
     params_one, params_cp = np.load(tmp_path / "one" / "params.npz"), np.load(tmp_path / "cp" / "params.npz")
     assert sorted(params_one) == sorted(params_cp)
     for key in params_one:
-        np.testing.assert_allclose(params_cp[key], params_one[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(params_cp[key], params_one[key], rtol=1e-4, atol=ADAM_NOISE, err_msg=key)
