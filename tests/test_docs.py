@@ -27,6 +27,7 @@ METRIC = re.compile(r"\bwanloom_[a-z_]+[a-z]\b")
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:jobs|docs|tests|benchmarks|helm|trainer_images|operator)/[\w./-]*\w)")
 # Python package names that look like metrics (wanloom_api, ...).
 PACKAGES = {"wanloom_api", "wanloom_cli", "wanloom_operator", "wanloom_trainer"}
+TEST_REF = re.compile(r"(tests/[\w/.-]+\.py)::(test_\w+)")
 INLINE = re.compile(r"`((?:wanloom|make) [^`]+)`")
 # The TrainingJob a kubectl command acts on: `get/describe/delete tj [-n NS] NAME` and the label selector.
 TJ_NAME = re.compile(r"\b(?:tj|trainingjobs?)\s+(?:-n\s+\S+\s+)?(?!-)([a-z0-9][a-z0-9.-]*)")
@@ -135,6 +136,9 @@ def test_field_paths_metrics_and_files_exist(doc: Path) -> None:
     # "results/balance.{json,png}": a stem some files share
     missing = sorted({p for p in REPO_PATH.findall(text) if not list((ROOT / p).parent.glob(Path(p).name + "*"))})
     assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+    # "tests/x.py::test_name": the test a claim rests on
+    gone = [f"{p}::{t}" for p, t in TEST_REF.findall(text) if f"def {t}(" not in (ROOT / p).read_text()]
+    assert not gone, f"{doc.name} cites tests that do not exist: {gone}"
 
 
 def test_the_uninstall_note_says_what_the_chart_keeps() -> None:

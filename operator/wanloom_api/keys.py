@@ -16,6 +16,9 @@ ANNOTATION_SPEC_HASH = "wanloom.dev/spec-hash"
 # The trainer's exit status when its configuration cannot run (a bad spec, a missing file): restarting would fail
 # the same way, so the pod failure policy fails the JobSet at once instead of retrying maxRestarts times.
 EXIT_CONFIG_ERROR = 3
+# 128 + SIGTERM: the trainer was asked to stop (preemption, eviction, a drained node, a peer's SIGTERM) and stopped
+# after checkpointing the step it was on; the pod failure policy restarts without counting it against maxRestarts.
+EXIT_STOPPED = 143
 
 # Labels and annotations JobSet and Kubernetes put on pods (read through the downward API).
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"

@@ -12,9 +12,10 @@ from typing import Annotated
 
 import typer
 
+from wanloom_api import keys
 from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
 
-STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: the run checkpointed and stopped early
+STOPPED_EXIT_CODE = keys.EXIT_STOPPED  # 128 + SIGTERM: the run checkpointed and stopped early
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
 _EXPERTS = {0: "high_noise", 1: "low_noise"}  # routing's expert ids, as the metrics name them
 

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,16 +46,21 @@ def namespace(k8s: Any, module_namespace: str) -> str:
 
 
 def _start_operator(
-    cluster: Any, namespace: str, progress_interval: float = 5, settings: dict[str, str] | None = None
+    cluster: Any,
+    namespace: str,
+    progress_interval: float = 5,
+    settings: dict[str, str] | None = None,
+    log: Any = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
-    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster (``settings``: more env)."""
+    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster (``settings``: more env; ``log``:
+    where its output goes, a file where it logs more than a pipe holds)."""
     env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": str(progress_interval), "WANLOOM_LOG_FORMAT": "plain",
            "KUBECONFIG": cluster.kubeconfig, **(settings or {})}  # fmt: skip
     if TRAINER_IMAGE:
         env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
     command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator"]
     command += [f"--namespace={namespace}", "--metrics-port=0", "--liveness-port=0"]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +380,9 @@ def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s
                 continue
             if event.get("stage") != "ResponseComplete":
                 continue
-            if event["verb"] == "create":
+            if event["verb"] == "create" and "name" not in ref:  # the body cut off by a SIGKILL: nothing stored
+                assert event["responseStatus"]["code"] >= 500, event
+            elif event["verb"] == "create":
                 attempted.setdefault(ref["name"], []).append(event["responseStatus"]["code"])
             elif event["verb"] == "delete" and event["responseStatus"]["code"] < 300:
                 deleted.append(ref["name"])
@@ -617,3 +625,96 @@ def _deadline_seen_first_by_a_jobset_event(k8s: Any, api: Any, namespace: str) -
     assert (_jobset(k8s, namespace, jobset["metadata"]["name"]) or {})["spec"]["suspend"] is True
     status = _get(k8s, namespace, "e2e-deadline-event")["status"]
     assert any(c["type"] == "Failed" and c["reason"] == "DeadlineExceeded" for c in status["conditions"]), status
+
+
+LOAD_JOBS = 200
+
+
+def test_two_hundred_trainingjobs_at_once_get_one_jobset_each_and_are_collected(
+    k8s: Any, cluster: Any, tmp_path: Path
+) -> None:
+    """Load on the real API server: 200 TrainingJobs (suspended, so the fake pools run no pods) created at once,
+    then deleted. Every one gets exactly one JobSet and ConfigMap, owned by it; after the deletion nothing is left.
+    The figures it prints (time to the JobSet, operator RSS and CPU, API requests per job) are written up in
+    docs/benchmarks.md; only the counts are asserted."""
+    import psutil
+
+    # The test's own requests carry a user agent of their own: the audit log then tells the operator's apart (both
+    # are cluster admin).
+    client = k8s.client.ApiClient()
+    client.user_agent = "wanloom-load-test"
+    api, core = k8s.client.CustomObjectsApi(client), k8s.client.CoreV1Api(client)
+    namespace = f"wanloom-e2e-load-{os.getpid()}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    log = open(tmp_path / "operator.log", "w")  # noqa: SIM115 (closed below)
+    operator = _start_operator(cluster, namespace, log=log)
+    try:
+        names = [f"load-{i:03d}" for i in range(LOAD_JOBS)]
+        created: dict[str, float] = {}
+        started = time.monotonic()
+        for name in names:
+            api.create_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, _trainingjob(name, namespace, suspend=True)
+            )
+            created[name] = time.monotonic()
+        seen: dict[str, float] = {}
+
+        def all_jobsets() -> bool:
+            now = time.monotonic()
+            for js in api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]:
+                seen.setdefault(js["metadata"]["name"], now)
+            return len(seen) == LOAD_JOBS
+
+        _wait(all_jobsets, f"{LOAD_JOBS} JobSets", timeout=600)
+        usage = psutil.Process(operator.pid)
+        rss, cpu = usage.memory_info().rss, usage.cpu_times()
+        delays = sorted(seen[n] - created[n] for n in names)
+        uids = {j["metadata"]["name"]: j["metadata"]["uid"]
+                for j in api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]}  # fmt: skip
+        jobsets = api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+        assert sorted(j["metadata"]["name"] for j in jobsets) == names
+        assert all(j["metadata"]["ownerReferences"][0]["uid"] == uids[j["metadata"]["name"]] for j in jobsets)
+        owned = [c for c in core.list_namespaced_config_map(namespace).items if c.metadata.owner_references]
+        assert len(owned) == LOAD_JOBS
+
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(
+            lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "deletion", 600
+        )
+        _wait(
+            lambda: (
+                not api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+                and not [c for c in core.list_namespaced_config_map(namespace).items if c.metadata.owner_references]
+            ),
+            "garbage collection",
+            300,
+        )
+        collected = time.monotonic() - started
+        time.sleep(2)  # the audit backend writes in batches
+        admin = (
+            k8s.client.AuthenticationV1Api(client)
+            .create_self_subject_review({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+            .status.user_info.username
+        )
+        requests: Counter[str] = Counter()
+        for line in Path(cluster.env["audit_log"]).read_text().splitlines():
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            user = (event.get("user") or {}).get("username", "")
+            operator_call = user == admin and event.get("userAgent") != client.user_agent
+            if ref.get("namespace") == namespace and operator_call and event.get("stage") == "ResponseComplete":
+                requests[f"{event['verb']} {ref.get('resource')}"] += 1
+        per_job = sum(requests.values()) / LOAD_JOBS
+        print(
+            f"injected: {LOAD_JOBS} TrainingJobs at once, then deleted; found: {len(jobsets)} JobSets, time to "
+            f"JobSet p50 {delays[len(delays) // 2]:.1f} s p99 {delays[int(len(delays) * 0.99)]:.1f} s, operator RSS "
+            f"{rss / 2**20:.0f} MiB, CPU {(cpu.user + cpu.system) / LOAD_JOBS * 1000:.0f} ms per job, operator "
+            f"requests per job {per_job:.1f} {dict(requests)}, all collected after {collected:.0f} s"
+        )
+    finally:
+        api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        _wait(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], "cleanup", 600)
+        operator.terminate()
+        operator.wait(timeout=60)
+        log.close()
+        core.delete_namespace(namespace)

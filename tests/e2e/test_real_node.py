@@ -373,3 +373,103 @@ def _tiny_job() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_an_evicted_pod_checkpoints_its_step_and_the_restart_is_not_counted(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """Preemption as a cluster delivers it: the Eviction API on one pod of a running job. The pod gets SIGTERM,
+    both ranks checkpoint the current step (not the last interval's) and exit 143, the pod failure policy turns the
+    eviction (condition DisruptionTarget) into a restart that does not count against maxRestarts, and the next
+    attempt starts right after the preemption checkpoint."""
+    name, steps, interval = "tiny-evicted", 120, 100
+    doc = _trainingjob(name, namespace, node, steps, interval)
+    doc["spec"]["maxRestarts"] = 0  # a counted restart would fail the job
+    doc["spec"]["training"]["checkpoint"]["keep"] = 10  # the preemption checkpoint stays for the check
+    k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    core = k8s.client.CoreV1Api()
+    index = "batch.kubernetes.io/job-completion-index"
+
+    def rank0_log() -> str:
+        pods = [p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "0"]
+        return core.read_namespaced_pod_log(pods[0].metadata.name, namespace) if pods else ""
+
+    _wait(lambda: re.search(rf"step (\d\d+)/{steps}", rank0_log()), "step 10 on rank 0")
+    victim = next(p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "1")
+    eviction = k8s.client.V1Eviction(metadata=k8s.client.V1ObjectMeta(name=victim.metadata.name, namespace=namespace))
+    core.create_namespaced_pod_eviction(victim.metadata.name, namespace, eviction)
+    evicted_at = re.findall(rf"step (\d+)/{steps}", rank0_log())[-1]
+
+    status = _wait(
+        lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+        "the job to finish",
+    )
+    pods = _pods(k8s, namespace, name)
+    assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, pods))
+    jobset = k8s.client.CustomObjectsApi().get_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name
+    )
+    counted = (jobset.get("status") or {}).get("restartsCountTowardsMax", 0)
+    saved = sorted(_checkpoint_steps(storage, f"{namespace}/{name}/checkpoints/"))
+    preemption = [s for s in saved if s % interval]
+    rank0 = next(p for p in pods if p.metadata.annotations.get(index) == "0")
+    first = int(re.search(rf"step (\d+)/{steps}", core.read_namespaced_pod_log(rank0.metadata.name, namespace))[1])
+    print(f"injected: eviction of pod 1 near step {evicted_at}; found: restarts {status['restarts']} "
+          f"({counted} counted), checkpoints {saved}, second attempt from step {first}")  # fmt: skip
+    assert status["restarts"] == 1 and counted == 0
+    assert len(preemption) == 1 and preemption[0] >= int(evicted_at), saved  # the step it was on, not step 100
+    assert first - 1 == preemption[0]
+
+
+def _allowed(k8s: Any, user: str, verb: str, resource: str, namespace: str, group: str = "") -> bool:
+    """The API server's own answer (SubjectAccessReview) to whether ``user`` may ``verb`` ``resource``."""
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}", "system:authenticated"]
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": user,
+            "groups": groups,
+            "resourceAttributes": {"verb": verb, "resource": resource, "group": group, "namespace": namespace},
+        },
+    }
+    return bool(k8s.client.AuthorizationV1Api().create_subject_access_review(review).status.allowed)
+
+
+def test_bad_actors_are_kept_out(k8s: Any, namespace: str, operator: str, node: dict[str, Any]) -> None:
+    """What the installed chart grants, as the API server decides it: the operator's ServiceAccount reads no Secret
+    and creates no pod (JobSet does), nothing outside its watched namespace; a trainer pod's ServiceAccount cannot
+    touch the operator's ConfigMaps; a TrainingJob in a namespace the operator does not watch is left alone."""
+    operator_sa = f"system:serviceaccount:{operator}:{OPERATOR_RELEASE}"
+    trainer_sa = f"system:serviceaccount:{namespace}:default"
+    other = f"{namespace}-unwatched"
+    checks = {
+        ("operator", "list", "pods", namespace, ""): True,  # what it needs: the check can fail
+        ("operator", "create", "jobsets", namespace, "jobset.x-k8s.io"): True,
+        ("operator", "get", "secrets", namespace, ""): False,
+        ("operator", "list", "secrets", operator, ""): False,
+        ("operator", "create", "pods", namespace, ""): False,
+        ("operator", "create", "jobsets", other, "jobset.x-k8s.io"): False,
+        ("operator", "patch", "trainingjobs", other, GROUP): False,
+        ("trainer", "patch", "configmaps", namespace, ""): False,
+        ("trainer", "update", "configmaps", operator, ""): False,
+        ("trainer", "patch", "trainingjobs", namespace, GROUP): False,
+    }
+    found = {key: _allowed(k8s, operator_sa if key[0] == "operator" else trainer_sa, *key[1:]) for key in checks}
+    print("injected: SubjectAccessReviews; found:", {" ".join(k[:4]): v for k, v in found.items()})
+    assert found == checks
+
+    core = k8s.client.CoreV1Api()
+    core.create_namespace({"metadata": {"name": other}})
+    try:
+        doc = _trainingjob("tiny-unwatched", other, node, 10, 10)
+        k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, other, PLURAL, doc)
+        time.sleep(15)  # five of the operator's progress intervals, and its watch is live (the fixture waited)
+        jobsets = k8s.client.CustomObjectsApi().list_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", other, "jobsets"
+        )["items"]
+        status = _status(k8s, other, "tiny-unwatched")
+        print(f"injected: a TrainingJob in {other}; found: {len(jobsets)} JobSets, status {status}")
+        assert jobsets == [] and status == {}
+    finally:
+        core.delete_namespace(other)

@@ -31,7 +31,6 @@ from pathlib import Path
 # Kubernetes' default terminationMessagePath: what a failed container writes here is its status message.
 TERMINATION_LOG = Path("/dev/termination-log")
 FAILED = 1
-STOPPED = 143  # 128 + SIGTERM
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
@@ -45,7 +44,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint file operation at INFO
-    from wanloom_api.keys import EXIT_CONFIG_ERROR
+    from wanloom_api.keys import EXIT_CONFIG_ERROR, EXIT_STOPPED
     from wanloom_trainer.config.train_config import load_train_config
 
     try:
@@ -68,7 +67,7 @@ def main() -> int:
         logging.getLogger("wanloom_trainer").info("loss curve: %s", result.plot)
     # Stopped by SIGTERM after a committed checkpoint: exit as the signal would (128 + 15), so the pod is not
     # counted as Succeeded and the JobSet restarts it from that checkpoint.
-    return STOPPED if result.stopped_by else 0
+    return EXIT_STOPPED if result.stopped_by else 0
 
 
 def report(message: str, code: int, termination_log: Path = TERMINATION_LOG) -> int:

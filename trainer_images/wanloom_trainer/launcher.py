@@ -32,10 +32,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from wanloom_api.keys import ENV_SHUTDOWN_SECONDS, EXIT_CONFIG_ERROR
+from wanloom_api.keys import ENV_SHUTDOWN_SECONDS, EXIT_CONFIG_ERROR, EXIT_STOPPED
 
 log = logging.getLogger("wanloom_trainer.launcher")
-STOPPED = 143  # 128 + SIGTERM: the workers checkpointed and stopped
 DEFAULT_SHUTDOWN_S = 270.0  # outside a pod (no WANLOOM_SHUTDOWN_SECONDS): the chart's default grace less a margin
 # After a worker failed, the others get SIGTERM and this long before SIGKILL: a peer of a failed rank is blocked in
 # a collective and can neither checkpoint nor see the signal, so waiting longer only delays the pod's exit.
@@ -90,10 +89,10 @@ def exit_code(codes: Sequence[int], *, stopped: bool) -> int:
     """The pod's status from its workers' (in the order they ended; see the module docstring)."""
     if EXIT_CONFIG_ERROR in codes:
         return EXIT_CONFIG_ERROR
-    failures = [c for c in codes if c not in (0, STOPPED)]
+    failures = [c for c in codes if c not in (0, EXIT_STOPPED)]
     if failures:
         return failures[0]
-    return STOPPED if stopped or STOPPED in codes else 0
+    return EXIT_STOPPED if stopped or EXIT_STOPPED in codes else 0
 
 
 def _die_with_parent() -> None:
@@ -140,7 +139,7 @@ class Supervisor:
                     self._send(signum)
                 forwarded = len(self._signals)
                 deadline = deadline or time.monotonic() + self.shutdown_s
-            failed = [c for c in self.ended if c not in (0, STOPPED)]
+            failed = [c for c in self.ended if c not in (0, EXIT_STOPPED)]
             if failed and deadline is None:
                 log.error("a trainer exited with %d: stopping the others", failed[0])
                 self._send(signal.SIGTERM)

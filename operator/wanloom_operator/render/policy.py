@@ -4,7 +4,10 @@ A synchronous data-parallel job cannot lose one rank and go on, so a Job fails o
 (``backoffLimit: 0``) and the JobSet restarts every Job from the last checkpoint, at most ``spec.maxRestarts`` times.
 Preemption and maintenance are not the job's fault: the pod failure policy turns a ``DisruptionTarget`` pod condition
 into a Job failure with reason ``PodFailurePolicy``, and the JobSet rule below restarts on that reason without
-counting it against ``maxRestarts`` (kubernetes-sigs/jobset, "failure policy" docs). A configuration error
+counting it against ``maxRestarts`` (kubernetes-sigs/jobset, "failure policy" docs). So does a trainer that stopped
+after a checkpoint because it was asked to (``keys.EXIT_STOPPED``): when one pod is evicted, its peers stop at the
+same step boundary and exit that way too, and whichever pod the Job controller counts first must not decide whether
+the preemption uses up a restart. A configuration error
 (the trainer's exit status ``keys.EXIT_CONFIG_ERROR``) would fail the same way on every restart: its pod rule
 fails the Job with a message naming the exit code, and the first JobSet rule fails the JobSet on it.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wanloom_api.keys import EXIT_CONFIG_ERROR
+from wanloom_api.keys import EXIT_CONFIG_ERROR, EXIT_STOPPED
 from wanloom_api.trainingjob import TrainingJobSpec
 from wanloom_operator.render.pods import CONTAINER_NAME
 
@@ -25,7 +28,8 @@ POD_FAILURE_POLICY_REASON = "PodFailurePolicy"  # the Job failure reason when a 
 
 def pod_failure_policy() -> dict[str, Any]:
     """Job-level: a configuration error fails the Job (its message names the exit code); a disrupted pod
-    (preempted, evicted, node drained) fails it too, with reason PodFailurePolicy."""
+    (preempted, evicted, node drained) and a trainer that stopped after a checkpoint fail it too, all with reason
+    PodFailurePolicy."""
     return {
         "rules": [
             {
@@ -33,6 +37,10 @@ def pod_failure_policy() -> dict[str, Any]:
                 "onExitCodes": {"containerName": CONTAINER_NAME, "operator": "In", "values": [EXIT_CONFIG_ERROR]},
             },
             {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": CONTAINER_NAME, "operator": "In", "values": [EXIT_STOPPED]},
+            },
         ]
     }
 

@@ -78,9 +78,10 @@ def _assert_documented_structure(rendered: Rendered, job: TrainingJob) -> None:
     [rjob] = js["spec"]["replicatedJobs"]
     job_spec = rjob["template"]["spec"]
     assert job_spec["backoffLimit"] == 0 and job_spec["parallelism"] == job_spec["completions"]
-    config_error, disruption = job_spec["podFailurePolicy"]["rules"]
+    config_error, disruption, stopped = job_spec["podFailurePolicy"]["rules"]
     assert config_error["onExitCodes"]["values"] == [keys.EXIT_CONFIG_ERROR]
     assert disruption["onPodConditions"][0]["type"] == "DisruptionTarget"
+    assert stopped["onExitCodes"]["values"] == [keys.EXIT_STOPPED] == [143]
     failure = js["spec"]["failurePolicy"]
     assert failure["maxRestarts"] == job.spec.max_restarts
     # A configuration error fails at once; any other pod-rule failure (a disruption) restarts for free.
