@@ -7,6 +7,7 @@ state dict (``comfy/model_detection.py`` at ComfyUI v0.26.1, read from a public 
 FFN width and layer count from the blocks, the input channels from ``patch_embedding.weight``, and the frequency
 (256) and text (4096) widths fixed. The model that config describes (diffusers' ``WanTransformer3DModel``) must load
 the export strictly, after diffusers' own conversion of original-Wan keys, and give the trained model's forward.
+A mini LoRA's ComfyUI files, applied with ComfyUI's LoRA arithmetic, give the weights ``--merge`` writes.
 """
 
 from __future__ import annotations
@@ -118,3 +119,55 @@ def test_tiny_exports_are_too_narrow_for_comfyui(name: str) -> None:
     assert config["num_heads"] == 0
     with pytest.raises(ValueError, match="0 attention heads"):
         comfyui_model(config)
+
+
+def _wanloom(*args: str, cwd: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")])}
+    proc = subprocess.run([sys.executable, "-c", "from wanloom_cli import main; main()", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_mini_lora_applied_as_comfyui_applies_it_is_the_merged_model(tmp_path: Path) -> None:
+    """LoRA on mini-t2v (rank 4, alpha 8: a scale of 2, so a scale mistake shows): ComfyUI's LoRA arithmetic on the
+    exported ComfyUI files, W + (alpha / rank)·up·down with up = lora_B and down = lora_A, gives the weights
+    ``--merge`` writes, and the merged files pass ComfyUI's Wan detection as the variant."""
+    variant = get_variant("mini-t2v")
+    for expert, folder in enumerate(("transformer", "transformer_2")):
+        build_expert(variant, seed=90 + expert).save_pretrained(tmp_path / "base" / folder)
+    doc = yaml.safe_load((ROOT / "jobs" / "tiny-lora-local.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"].update(variant="mini-t2v", weights=str(tmp_path / "base"))
+    spec["data"]["uri"] = str(tmp_path / "data")
+    spec["lora"] = {"rank": 4, "alpha": 8.0}
+    spec["optimizer"]["warmupSteps"] = 1
+    spec["training"].update(steps=3, checkpoint={"uri": str(tmp_path / "ckpt"), "interval": 3})
+    job = tmp_path / "lora.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    _wanloom("run", str(job), "--no-progress", "--metrics-port", "0", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    _wanloom("export", str(job), "--format", "wan", "--dtype", "float32", "--out", str(tmp_path / "lora"), cwd=tmp_path)
+    merge = ["--format", "wan", "--merge", "--dtype", "float32", "--out", str(tmp_path / "merged")]
+    _wanloom("export", str(job), *merge, cwd=tmp_path)
+    for stem in ("high_noise", "low_noise"):
+        [lora_file] = (tmp_path / "lora").glob(f"*_{stem}.safetensors")
+        [merged_file] = (tmp_path / "merged").glob(f"*_{stem}.safetensors")
+        adapters, merged = load_file(lora_file), load_file(merged_file)
+        base = convert_to_wan(tmp_path / "base" / ("transformer" if stem == "high_noise" else "transformer_2"))
+        modules = {k.removesuffix(".lora_A.weight") for k in adapters if k.endswith(".lora_A.weight")}
+        assert modules, lora_file.name
+        for module in modules:
+            down, up = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
+            alpha = float(adapters[f"{module}.alpha"])
+            key = module.removeprefix("diffusion_model.") + ".weight"
+            applied = base[key] + (alpha / down.shape[0]) * (up @ down)
+            torch.testing.assert_close(applied, merged[key], rtol=1e-5, atol=1e-6)
+        assert comfyui_wan_config(merged)["num_heads"] == variant.num_heads
+
+
+def convert_to_wan(folder: Path) -> dict[str, torch.Tensor]:
+    """A diffusers expert folder's weights in original Wan names (the exporter's own key map)."""
+    from wanloom_trainer.export.wan_keys import wan_key
+
+    model = WanTransformer3DModel.from_pretrained(folder)
+    return {wan_key(k): v.detach() for k, v in model.state_dict().items()}
