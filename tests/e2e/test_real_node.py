@@ -411,7 +411,7 @@ def test_an_evicted_pod_checkpoints_its_step_and_the_restart_is_not_counted(
     )
     counted = (jobset.get("status") or {}).get("restartsCountTowardsMax", 0)
     saved = sorted(_checkpoint_steps(storage, f"{namespace}/{name}/checkpoints/"))
-    preemption = [s for s in saved if s % interval]
+    preemption = [s for s in saved if s % interval and s != steps]  # the interval's and the final one aside
     rank0 = next(p for p in pods if p.metadata.annotations.get(index) == "0")
     first = int(re.search(rf"step (\d+)/{steps}", core.read_namespaced_pod_log(rank0.metadata.name, namespace))[1])
     print(f"injected: eviction of pod 1 near step {evicted_at}; found: restarts {status['restarts']} "
@@ -473,3 +473,48 @@ def test_bad_actors_are_kept_out(k8s: Any, namespace: str, operator: str, node: 
         assert jobsets == [] and status == {}
     finally:
         core.delete_namespace(other)
+
+
+def test_the_operator_restarted_mid_run_picks_the_job_up_again(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """The in-cluster operator's pod deleted while a job runs (a node drain, an upgrade): its Deployment starts a
+    new one, which adopts the JobSet it finds instead of creating another; progress resumes in the status, the job
+    finishes once, and the phase read meanwhile is always a true one."""
+    name, steps, interval = "tiny-operator-restart", 150, 75
+    api, core = k8s.client.CustomObjectsApi(), k8s.client.CoreV1Api()
+    doc = _trainingjob(name, namespace, node, steps, interval)
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    _wait(lambda: ((_status(k8s, namespace, name).get("progress") or {}).get("step") or 0) >= 5, "progress")
+    jobset = api.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)
+    jobset_uid = jobset["metadata"]["uid"]
+    (old,) = _operator_pods(k8s, operator, ready=True)
+    core.delete_namespaced_pod(old.metadata.name, operator, grace_period_seconds=0)
+    deleted = time.time()
+    phases = set()
+
+    def finished() -> dict[str, Any] | bool:
+        status = _status(k8s, namespace, name)
+        phases.add(status.get("phase"))
+        return status.get("phase") in ("Succeeded", "Failed") and status
+
+    status = _wait(finished, "the job to finish")
+    new = [p for p in _operator_pods(k8s, operator, ready=True) if p.metadata.name != old.metadata.name]
+    jobsets = api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+    ours = [j for j in jobsets if j["metadata"]["name"] == name]
+    updated = (status.get("progress") or {}).get("updatedAt")
+    same = bool(ours) and ours[0]["metadata"]["uid"] == jobset_uid
+    print(f"injected: the operator pod deleted mid-run; found: {status['phase']}, phases seen "
+          f"{sorted(map(str, phases))}, a new operator pod {bool(new)}, JobSets {len(ours)} (same uid: {same}), "
+          f"progress updated at {updated}")  # fmt: skip
+    assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, _pods(k8s, namespace, name)))
+    assert new and len(ours) == 1 and same
+    assert status.get("restarts", 0) == 0
+    assert phases <= {"Starting", "Running", "Succeeded"}, phases
+    assert updated and _seconds(updated) > deleted  # the new operator read rank 0's progress
+
+
+def _seconds(rfc3339: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
