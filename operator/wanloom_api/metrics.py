@@ -28,6 +28,8 @@ class Metric(StrEnum):
     COMPUTE_LOAD_CV = "wanloom_compute_load_cv"
     STRAGGLER_OVERHEAD_RATIO = "wanloom_straggler_overhead_ratio"
     TOKENS_PER_SECOND = "wanloom_tokens_per_second"
+    STEP_SAMPLES = "wanloom_step_samples"
+    STEP_TOKENS = "wanloom_step_tokens"
     MFU_RATIO = "wanloom_mfu_ratio"
     LOSS = "wanloom_loss"
     GRAD_NORM = "wanloom_grad_norm"
@@ -133,6 +135,13 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
         _T,
     ),
     MetricDef(Metric.TOKENS_PER_SECOND, "gauge", "Transformer tokens trained per second, all ranks.", _T),
+    MetricDef(
+        Metric.STEP_SAMPLES,
+        "gauge",
+        "Samples the last step trained on, all ranks (spec.training.globalBatch with stepBudget samples).",
+        _T,
+    ),
+    MetricDef(Metric.STEP_TOKENS, "gauge", "Transformer tokens the last step trained on, all ranks.", _T),
     MetricDef(
         Metric.MFU_RATIO,
         "gauge",

@@ -434,8 +434,15 @@ class AdaptiveLoadSpec(_Model):
         ge=0,
         le=1_000_000,
         description="balanced: samples per data-parallel rank planned together (at most one epoch); the window's "
-        "slots are dealt to its steps, about globalBatch samples each. 0: each step planned alone, exactly "
-        "globalBatch samples in stream order.",
+        "slots are dealt to its steps, each a copy of the window's mix, in a seeded order. 0: each step planned "
+        "alone, exactly globalBatch samples in stream order.",
+    )
+    step_budget: Literal["samples", "tokens"] = Field(
+        "samples",
+        description="balanced: what every step holds the same amount of. samples: globalBatch samples (within a "
+        "few percent), each weighing 1/globalBatch in the gradient; tokens: globalBatch times the dataset's mean "
+        "tokens per sample, each token weighing the same (a step's sample count varies; faster where few samples "
+        "per rank cannot fill micro-batches, see wanloom plan).",
     )
 
 

@@ -1,9 +1,11 @@
-"""Unequal per-rank batches with the plan's weights give the gradient of the global mean over samples.
+"""Unequal per-rank batches with the plan's weights give the gradient of the rule the step budget names.
 
 Model: linear regression on per-token features; sample i has tokens(i) rows X_i [S_i, d] and targets y_i [S_i];
 its loss is its own mean squared error ℓ_i(w) = mean_j (X_i w − y_i)_j², ∇ℓ_i = 2/S_i · X_iᵀ(X_i w − y_i).
-Reference (one process): ∇ (1/N) Σ_i ℓ_i. Distributed: rank r back-propagates Σ_mb Σ_rows weight·ℓ_id and the
-gradients are summed over ranks.
+Reference (one process): ∇ (1/N) Σ_i ℓ_i for the bucket-chunk policies (N: the step's samples); ∇ (1/G) Σ_i ℓ_i for
+"balanced" with step budget "samples" (G: globalBatch, whatever the step holds); ∇ Σ_i S_i·ℓ_i / (G·S̄) with
+"tokens" (S̄: the dataset's mean tokens per sample). Distributed: rank r back-propagates Σ_mb Σ_rows weight·ℓ_id
+and the gradients are summed over ranks.
 """
 
 import numpy as np
@@ -36,28 +38,32 @@ def rank_gradient(rank_plan):
     return g
 
 
+def real_samples(plan):
+    """(sample id, its tokens) of every real row; a packed micro-batch's rows have tokens of their own."""
+    out = []
+    for r in plan.ranks:
+        for mb in r.micro_batches:
+            tokens = mb.packed.sample_tokens if mb.packed is not None else [mb.tokens] * len(mb.sample_ids)
+            out.extend((sid, t) for sid, t, w in zip(mb.sample_ids, tokens, mb.weights, strict=True) if w > 0)
+    return out
+
+
 def reference_gradient(plan):
-    real = [
-        (sid, mb.tokens)
-        for r in plan.ranks
-        for mb in r.micro_batches
-        for sid, w in zip(mb.sample_ids, mb.weights, strict=True)
-        if w > 0
-    ]
+    real = real_samples(plan)
     return np.mean([grad(sid, tok) for sid, tok in real], axis=0), len(real)
 
 
-@pytest.mark.parametrize(
-    ("policy", "layout"),
-    [
-        ("balanced", "per-rank"),
-        ("paper", "per-rank"),
-        ("equal-tokens", "per-rank"),
-        ("balanced", "spmd"),
-        ("paper", "spmd"),
-    ],
-)
-def test_summed_weighted_gradients_equal_global_mean(index, flop_cost, router, policy, layout):
+def rank_gradient_packed(rank_plan):
+    g = np.zeros(D)
+    for mb in rank_plan.micro_batches:
+        tokens = mb.packed.sample_tokens if mb.packed is not None else [mb.tokens] * len(mb.sample_ids)
+        for sid, t, w in zip(mb.sample_ids, tokens, mb.weights, strict=True):
+            g += w * grad(sid, t)
+    return g
+
+
+@pytest.mark.parametrize(("policy", "layout"), [("paper", "per-rank"), ("equal-tokens", "per-rank"), ("paper", "spmd")])
+def test_bucket_chunk_steps_give_the_gradient_of_the_step_mean(index, flop_cost, router, policy, layout):
     planner = Planner(
         index, A14B, PlanConfig(6, policy, layout, global_batch=40, memory_budget_tokens=151_200), flop_cost, router
     )
@@ -66,6 +72,28 @@ def test_summed_weighted_gradients_equal_global_mean(index, flop_cost, router, p
         ref, n = reference_gradient(plan)
         assert n == plan.num_samples
         got = sum(rank_gradient(r) for r in plan.ranks)
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "spmd"])
+@pytest.mark.parametrize("budget", ["samples", "tokens"])
+def test_balanced_weights_do_not_depend_on_the_step_a_sample_lands_in(index, flop_cost, router, layout, budget):
+    """Windows of several steps whose sample counts differ: every sample weighs 1/G (or its tokens / (G·S̄))."""
+    config = PlanConfig(
+        6, "balanced", layout, global_batch=40, memory_budget_tokens=151_200, window_samples_per_rank=40,
+        step_budget=budget,
+    )  # fmt: skip
+    planner = Planner(index, A14B, config, flop_cost, router)
+    assert planner.window_steps > 1
+    mean_tokens = planner.facts.tokens[planner.bucket_of].mean()
+    for step in range(planner.window_steps):
+        plan = planner.plan(step)
+        real = real_samples(plan)
+        if budget == "samples":
+            ref = sum(grad(sid, t) for sid, t in real) / 40
+        else:
+            ref = sum(t * grad(sid, t) for sid, t in real) / (40 * mean_tokens)
+        got = sum(rank_gradient_packed(r) for r in plan.ranks)
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 

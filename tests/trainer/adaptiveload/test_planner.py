@@ -42,7 +42,8 @@ def test_plans_respect_the_contract(index, flop_cost, router, policy, layout, sy
         for r in plan.ranks:
             for mb in r.micro_batches:
                 assert mb.rows * mb.tokens <= M_MEM  # memory cap per micro-batch
-                assert all(w in (0.0, 1 / plan.num_samples) for w in mb.weights)
+                norm = 64 if policy == "balanced" else plan.num_samples  # balanced: 1/globalBatch per sample
+                assert all(w in (0.0, 1 / norm) for w in mb.weights)
     if policy == "balanced":  # a window of W steps holds W·globalBatch samples, each once
         assert planner.window_steps == (1 if sync == "step" else 4)
         assert len(window) == len(set(window)) == 4 * 64

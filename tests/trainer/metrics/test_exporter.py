@@ -98,6 +98,8 @@ def test_cross_rank_gauges_use_the_slowest_rank_and_population_cv() -> None:
         assert _value(m, "wanloom_rank_busy_seconds", rank=str(rank)) == measured
         assert _value(m, "wanloom_rank_predicted_busy_seconds", rank=str(rank)) == predicted
     assert _value(m, "wanloom_tokens_per_second") == pytest.approx(4096 / 0.6)
+    assert _value(m, "wanloom_step_samples") == sum(record.log.expert_samples.values()) == 8
+    assert _value(m, "wanloom_step_tokens") == record.log.tokens == 4096
     assert _value(m, "wanloom_mfu_ratio") == pytest.approx(flops.mfu(3.0e15, 0.6, 4, "h100"))
     assert _value(m, "wanloom_step") == 7
     assert _value(m, "wanloom_total_steps") == 100

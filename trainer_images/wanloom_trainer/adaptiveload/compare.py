@@ -23,11 +23,15 @@ Reported per policy (``PolicyResult``): throughput relative to the bucket sample
 slot's useful compute, time-weighted over slots: what makes ranks wait in lockstep and SPMD); padding (share of
 compute on padding rows, padding tokens and dummy micro-batches); idle (share of rank-time spent waiting);
 compiled shapes (distinct step-program shapes the policy needs over the stream: per-rank (bucket, rows), packed
-(row tokens, segment slots, longest segment)).
+(row tokens, segment slots, longest segment)). For ``balanced`` also what its steps train (``StepSemantics``):
+samples per step, the image share and tokens per sample of every third of every planning window against the
+window's, and how often each expert is updated; ``semantics_problems`` says where they break the promise of the
+step budget (``planner`` module docstring).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +58,7 @@ class PolicyResult:
     idle_fraction: float
     compiled_shapes: int
     shapes_per_expert: tuple[int, int]
+    semantics: StepSemantics | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,6 +72,90 @@ class PolicyResult:
             "idle_fraction": self.idle_fraction,
             "compiled_shapes": self.compiled_shapes,
         }
+
+
+SAMPLES_TOLERANCE = 0.10  # step budget "samples": p5..p95 of samples per step within ±10% of globalBatch
+SAMPLES_MAX = 1.5  # ... and never above 1.5 × globalBatch
+THIRD_TOLERANCE = 0.25  # every third of a window within ±25% of the window's image share and tokens per sample
+
+
+@dataclass(frozen=True)
+class StepSemantics:
+    """What the balanced planner's steps train, over the compared stream.
+
+    Attributes:
+        global_batch: G, the samples a step is asked to hold.
+        samples: samples per step (p5, median, p95, max).
+        tokens: tokens per step (p5, median, p95, max).
+        image_share_by_third, tokens_per_sample_by_third: per third of a planning window (steps in order), pooled
+            over the windows, relative to the windows' own value (1.0: the window's mix).
+        worst_third: the largest |third / window − 1| of image share or tokens per sample in any one window.
+        expert_update_share: per expert, the share of steps that update it (hold at least one of its samples).
+        expert_samples_per_step: per expert, mean samples per step.
+    """
+
+    global_batch: int
+    samples: tuple[float, float, float, float]
+    tokens: tuple[float, float, float, float]
+    image_share_by_third: tuple[float, float, float]
+    tokens_per_sample_by_third: tuple[float, float, float]
+    worst_third: float
+    expert_update_share: tuple[float, float]
+    expert_samples_per_step: tuple[float, float]
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _spread(values: np.ndarray) -> tuple[float, float, float, float]:
+    p5, median, p95 = np.percentile(values, [5, 50, 95])
+    return float(p5), float(median), float(p95), float(values.max())
+
+
+def step_semantics(steps: np.ndarray, window: int, global_batch: int) -> StepSemantics:
+    """``StepSemantics`` from per-step [n, 5] (samples, images, tokens, expert-0, expert-1 samples), in step order,
+    planned ``window`` steps at a time."""
+    n = len(steps) // window * window
+    by_window = steps[:n].reshape(-1, window, steps.shape[1])
+    thirds = np.array_split(np.arange(window), 3) if window >= 3 else [np.arange(window)] * 3
+    per_window = by_window.sum(axis=1)  # [windows, 5]
+
+    def ratio(num: int, den: int, part: np.ndarray | None) -> np.ndarray:
+        got = by_window[:, part].sum(axis=1) if part is not None else per_window
+        base = per_window[:, num] / np.maximum(per_window[:, den], 1)
+        return np.where(base > 0, got[:, num] / np.maximum(got[:, den], 1) / np.where(base > 0, base, 1), 1.0)
+
+    image = np.stack([ratio(1, 0, t) for t in thirds])  # [3, windows]
+    tokens = np.stack([ratio(2, 0, t) for t in thirds])
+    worst = float(max(np.abs(image - 1).max(), np.abs(tokens - 1).max())) if n else 0.0
+    weights = per_window[:, 0] / max(per_window[:, 0].sum(), 1)
+    return StepSemantics(
+        global_batch=global_batch,
+        samples=_spread(steps[:, 0]),
+        tokens=_spread(steps[:, 2]),
+        image_share_by_third=tuple(float(x) for x in image @ weights),  # type: ignore[arg-type]
+        tokens_per_sample_by_third=tuple(float(x) for x in tokens @ weights),  # type: ignore[arg-type]
+        worst_third=worst,
+        expert_update_share=(float((steps[:, 3] > 0).mean()), float((steps[:, 4] > 0).mean())),
+        expert_samples_per_step=(float(steps[:, 3].mean()), float(steps[:, 4].mean())),
+    )
+
+
+def semantics_problems(semantics: StepSemantics, step_budget: str) -> list[str]:
+    """Where the balanced steps break what the step budget promises (empty: they keep it)."""
+    problems = []
+    g = semantics.global_batch
+    p5, _, p95, largest = semantics.samples
+    if step_budget == "samples" and (p5 < (1 - SAMPLES_TOLERANCE) * g or p95 > (1 + SAMPLES_TOLERANCE) * g):
+        problems.append(f"samples per step p5..p95 {p5:.0f}..{p95:.0f} are not within 10% of globalBatch {g}")
+    if step_budget == "samples" and largest > SAMPLES_MAX * g:
+        problems.append(f"a step holds {largest:.0f} samples, more than 1.5 x globalBatch {g}")
+    if semantics.worst_third > THIRD_TOLERANCE:
+        problems.append(
+            f"a third of a planning window is {semantics.worst_third:.0%} off its window's image share or tokens per "
+            "sample (at most 25%)"
+        )
+    return problems
 
 
 @dataclass
@@ -116,11 +205,18 @@ def balanced(planner: Planner, steps: int) -> tuple[PolicyResult, np.ndarray, np
     facts = planner.facts
     tally, tokens, shapes = _Tally(facts.overhead), 0, set()
     per_expert: tuple[set, set] = (set(), set())
-    buckets, experts = [], []
+    buckets, experts, contents = [], [], np.zeros((steps, 5))
     for step in range(steps):
         a = planner.assign(step)
         buckets.append(a.rows.bucket[a.real])
         experts.append(a.rows.expert[a.real])
+        contents[step] = (
+            len(buckets[-1]),
+            int((facts.shapes[buckets[-1], 0] == 1).sum()),
+            int(facts.tokens[buckets[-1]].sum()),
+            int((experts[-1] == 0).sum()),
+            int((experts[-1] == 1).sum()),
+        )
         grid = cost_grid(a, facts)
         useful = np.zeros_like(grid)
         np.add.at(useful, (a.owner[a.real], a.slot[a.real]), facts.cost[a.rows.bucket[a.real]])
@@ -131,6 +227,8 @@ def balanced(planner: Planner, steps: int) -> tuple[PolicyResult, np.ndarray, np
             shapes.add(key)
             per_expert[expert].add(key)
     result = tally.result("balanced", tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
+    semantics = step_semantics(contents, planner.window_steps, int(planner.config.global_batch or 0))
+    result = dataclasses.replace(result, semantics=semantics)
     return result, np.concatenate(buckets).astype(np.int64), np.concatenate(experts).astype(np.int64)
 
 

@@ -8,7 +8,6 @@ rows. Slots are numbered globally; every slot holds one expert on all ranks (exp
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -74,6 +73,9 @@ class Assignment:
         num_ranks, num_slots: the grid size; (rank, slot) cells without rows are dummies.
         slot_expert: int [num_slots], the expert of each slot.
         packed: the packed geometry (one row per (rank, slot), samples of any shapes), or None.
+        weight_norm: a real row's loss weight is 1 / ``weight_norm`` (``token_weights``: its tokens / ``weight_norm``);
+            0 means the step's own sample count (the bucket-chunk policies, whose steps vary in size).
+        token_weights: weight per token rather than per sample (the "tokens" step budget).
     """
 
     rows: StepItems
@@ -84,6 +86,14 @@ class Assignment:
     num_slots: int
     slot_expert: np.ndarray
     packed: PackedSlots | None = None
+    weight_norm: float = 0.0
+    token_weights: bool = False
+
+    def row_weights(self, facts: BucketFacts) -> np.ndarray:
+        """The loss weight float64 [m] of every row (padding rows 0): what the step's gradient gives each sample."""
+        norm = self.weight_norm or max(self.num_samples, 1)
+        per_row = facts.tokens[self.rows.bucket].astype(np.float64) if self.token_weights else 1.0
+        return np.where(self.real, per_row / norm, 0.0)
 
     @property
     def num_samples(self) -> int:
@@ -242,10 +252,9 @@ class _RowLists:
 
     def __init__(self, assignment: Assignment, order: np.ndarray, facts: BucketFacts) -> None:
         rows = assignment.rows
-        weight = 1.0 / max(assignment.num_samples, 1)
         self.ids = rows.ids[order].tolist()
         self.timesteps = rows.timesteps[order].astype(np.float32).tolist()
-        self.weights = np.where(assignment.real[order], weight, 0.0).tolist()
+        self.weights = assignment.row_weights(facts)[order].tolist()
         self.bucket = rows.bucket[order].tolist()
         self.expert = rows.expert[order].tolist()
         self.shapes = [tuple(s) for s in facts.shapes.tolist()]
@@ -314,22 +323,113 @@ def select_slots(assignment: Assignment, slots: np.ndarray) -> Assignment:
         len(slots),
         assignment.slot_expert[slots],
         packed,
+        assignment.weight_norm,
+        assignment.token_weights,
     )
 
 
-def split_into_steps(assignment: Assignment, steps: int, rng: np.random.Generator) -> list[Assignment]:
-    """A window's assignment dealt to ``steps`` steps of near-equal real-sample counts: slots, largest first (ties in
-    a seeded random order), each to the step holding the fewest samples so far (LPT), so every step gets at least
-    one slot and a mix of the window's shapes. Needs ``num_slots`` ≥ ``steps``."""
+def slot_features(assignment: Assignment, facts: BucketFacts) -> np.ndarray:
+    """Per slot [K, 4]: real samples, images (one latent frame), tokens and expert-1 samples it holds."""
+    a, k = assignment, assignment.num_slots
+    slot, bucket = a.slot[a.real], a.rows.bucket[a.real]
+    image = (facts.shapes[bucket, 0] == 1).astype(np.float64)
+    expert1 = (a.rows.expert[a.real] == 1).astype(np.float64)
+    return np.stack(
+        [
+            np.bincount(slot, minlength=k).astype(np.float64),
+            np.bincount(slot, weights=image, minlength=k),
+            np.bincount(slot, weights=facts.tokens[bucket].astype(np.float64), minlength=k),
+            np.bincount(slot, weights=expert1, minlength=k),
+        ],
+        axis=1,
+    )
+
+
+def deal_steps(
+    assignment: Assignment, steps: int, facts: BucketFacts, rng: np.random.Generator, *, bound: str = "samples"
+) -> list[Assignment]:
+    """A window's slots dealt to ``steps`` steps that each hold the window's mix, in a seeded stratified order.
+
+    Every step gets about 1/``steps`` of the window's samples (``bound`` "samples") or tokens ("tokens"): slots,
+    largest first (ties in a seeded order), each to the step with room under that bound whose samples, images,
+    tokens and expert-1 samples so far are smallest relative to their shares (the smallest Σ fill·slot / share², a
+    vector LPT), so a step is a small copy of its window rather than a run of one shape. The steps are then put in
+    a seeded order stratified by image share and tokens per sample (``stratified_order``): every third of the window
+    sees the window's mix, and no part of it is a curriculum. Needs ``num_slots`` ≥ ``steps``."""
     if assignment.num_slots < steps:
         raise ValueError(f"a window of {assignment.num_slots} slots cannot make {steps} steps")
-    samples = np.bincount(assignment.slot[assignment.real], minlength=assignment.num_slots)
+    features = slot_features(assignment, facts)
+    share = np.maximum(features.sum(axis=0) / steps, 1e-12)
+    scale = 1.0 / share**2
+    size = features[:, 0] if bound == "samples" else features[:, 2]
+    room = share[0] if bound == "samples" else share[2]
     shuffled = rng.permutation(assignment.num_slots)
-    order = shuffled[np.argsort(-samples[shuffled], kind="stable")]
-    heap = [(0, j) for j in range(steps)]
+    order = shuffled[np.argsort(-size[shuffled], kind="stable")]
+    fill = np.zeros((steps, features.shape[1]))
+    held = np.zeros(steps)
     parts: list[list[int]] = [[] for _ in range(steps)]
+    # Both experts in every step where each has a slot per step: its W largest slots first, one to each step.
+    first: list[int] = []
+    for expert in (0, 1):
+        mine = order[assignment.slot_expert[order] == expert]
+        if len(mine) >= steps:
+            first.extend(mine[:steps].tolist())
+            for j, k in enumerate(mine[:steps].tolist()):
+                parts[j].append(k)
+                fill[j] += features[k]
+                held[j] += size[k]
+    order = order[~np.isin(order, first)]
     for k in order.tolist():
-        held, j = heapq.heappop(heap)
+        fits = np.flatnonzero(held + size[k] <= room * (1 + 1e-9))
+        j = int(fits[np.argmin((fill[fits] * features[k] * scale).sum(axis=1))]) if len(fits) else int(np.argmin(held))
         parts[j].append(k)
-        heapq.heappush(heap, (held + int(samples[k]), j))
-    return [select_slots(assignment, np.sort(np.asarray(part, dtype=np.int64))) for part in parts]
+        fill[j] += features[k]
+        held[j] += size[k]
+    return [
+        select_slots(assignment, np.sort(np.asarray(parts[j], dtype=np.int64)))
+        for j in stratified_order(fill[:, :3], rng)
+    ]
+
+
+def stratified_order(contents: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """A seeded shuffle of steps (``contents`` [W, 3]: samples, images, tokens of each) in which every third gets the
+    window's mix: steps ranked by image share and tokens per sample are taken three at a time, one to each third in
+    a random order (thirds sized as ``np.array_split``); swaps between thirds then shrink the largest relative gap
+    between a third's image share or tokens per sample and the window's (steps differ most when they hold few,
+    large slots), and each third is shuffled."""
+    n = len(contents)
+    samples = np.maximum(contents[:, 0], 1.0)
+    image_share, tokens_per_sample = contents[:, 1] / samples, contents[:, 2] / samples
+    sizes = [len(part) for part in np.array_split(np.arange(n), 3)]
+    third_of = np.empty(n, dtype=np.int64)
+    filled = [0, 0, 0]
+    light = np.argsort(np.argsort(image_share, kind="stable"))
+    both = light + np.argsort(np.argsort(-tokens_per_sample, kind="stable"))
+    ranked = np.argsort(both, kind="stable").tolist()
+    for start in range(0, n, 3):
+        open_thirds = [t for t in range(3) if filled[t] < sizes[t]]
+        for step, third in zip(ranked[start : start + 3], rng.permutation(open_thirds).tolist(), strict=False):
+            third_of[step] = third
+            filled[third] += 1
+    window = contents.sum(axis=0)
+    target = np.maximum(window[1:] / max(window[0], 1.0), 1e-12)  # the window's image share, tokens per sample
+
+    def gap(assign: np.ndarray) -> float:
+        sums = np.zeros((3, 3))
+        np.add.at(sums, assign, contents)
+        sums = sums[sums[:, 0] > 0]
+        return float(np.abs(sums[:, 1:] / sums[:, :1] / target - 1)[:, target > 1e-12].max(initial=0.0))
+
+    best = gap(third_of)
+    for _ in range(n):  # first-improvement swaps
+        improved = False
+        for i, j in zip(*np.nonzero(third_of[:, None] < third_of[None, :]), strict=True):
+            trial = third_of.copy()
+            trial[i], trial[j] = third_of[j], third_of[i]
+            g = gap(trial)
+            if g < best - 1e-12:
+                third_of, best, improved = trial, g, True
+                break
+        if not improved:
+            break
+    return [int(step) for t in range(3) for step in rng.permutation(np.flatnonzero(third_of == t))]

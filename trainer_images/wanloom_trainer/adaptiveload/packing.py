@@ -50,6 +50,8 @@ class RowShapes:
         long_tokens, short_tokens: tokens per row (multiples of the sequence sharding).
         groups: segment slots per row, padding included (a power of two, at most ``max_segments``).
         long_segment, short_segment: bound on any segment's tokens in each (the attention kernel's grid).
+        samples_per_row: most samples the planner puts in one row (0: as many as the segment slots allow); a
+            planning layout choice that leaves the programs alone.
     """
 
     long_tokens: int
@@ -57,11 +59,12 @@ class RowShapes:
     groups: int
     long_segment: int
     short_segment: int
+    samples_per_row: int = 0
 
     @property
     def max_samples(self) -> int:
         """Samples per row: every row keeps a segment slot for its padding."""
-        return self.groups - 1
+        return min(self.groups - 1, self.samples_per_row) if self.samples_per_row else self.groups - 1
 
     def programs(self) -> tuple[tuple[int, int, int], ...]:
         """(row tokens, segment slots, longest segment) of each program."""

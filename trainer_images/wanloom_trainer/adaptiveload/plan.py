@@ -1,10 +1,12 @@
 """The step plan: what every data-parallel rank runs in one global step. The contract with both trainers.
 
-Loss normalisation (the reason ranks may hold unequal batches): every real sample carries the loss weight
-``1 / StepPlan.num_samples`` (in ``MicroBatch.weights``), padding rows carry 0. A rank computes
+Loss normalisation (the reason ranks may hold unequal batches): every real sample carries a loss weight in
+``MicroBatch.weights`` that does not depend on its rank or micro-batch — ``1 / globalBatch`` for the balanced
+scheduler (its tokens / (globalBatch × mean tokens) with ``stepBudget: tokens``; ``planner`` module docstring), ``1 /
+StepPlan.num_samples`` for the bucket-chunk policies — and padding rows carry 0. A rank computes
 ``Σ_micro-batches Σ_i weights[i] · loss_i`` (``loss_i`` the sample's own mean over its elements), back-propagates
-it, and gradients are **summed** across ranks. The result is the gradient of the global mean over samples, whatever
-the per-rank batch sizes. A backend whose all-reduce averages over R ranks (FSDP's default reduce-scatter) must
+it, and gradients are **summed** across ranks: the gradient of the step's weighted sum, whatever the per-rank batch
+sizes. A backend whose all-reduce averages over R ranks (FSDP's default reduce-scatter) must
 multiply the loss by R (or set its gradient divide factor to 1).
 
 Two layouts:
@@ -85,7 +87,7 @@ class MicroBatch:
         latent_shape: (T', H', W') of every row: the bucket the loader resizes/crops to.
         expert: 0 = high-noise (transformer/), 1 = low-noise (transformer_2/); 0 for single-model variants.
         timesteps: per-row t in [0, 1000), float32 values (exactly representable), from routing.
-        weights: per-row loss weight: 1/num_samples for real rows, 0.0 for padding.
+        weights: per-row loss weight (module docstring), 0.0 for padding.
         tokens: transformer tokens per row.
         predicted_cost: rows × per-sample cost (compute only, no per-call overhead); packed: the row's samples'
             costs plus its padding's.

@@ -7,11 +7,17 @@ Policies (``PlanConfig.policy``):
   ``window_samples_per_rank``·R samples, at most an epoch): a handful of samples per rank cannot even out long
   clips, a window can. Per-rank layout: the window's samples are assigned to (rank, slot) so that every lockstep
   slot is balanced (``lockstep``); SPMD layout: they are packed into rows of two shapes, alike rows in a slot
-  (``packing``). The window's slots are then dealt to its W steps, largest first to the step holding the fewest
-  samples (ties in a seeded order), about ``global_batch`` samples each (``layout.split_into_steps``), so every
-  step holds whole slots of several shapes. With ``global_batch`` ≥ that many samples per rank, with
-  ``window_samples_per_rank`` 0, or when ranks synchronise once per step (per-rank totals balanced by
-  ``balance.balance``), W = 1 and a step is its own window of exactly ``global_batch`` samples.
+  (``packing``). The window's slots are then dealt to its W steps (``layout.deal_steps``), each a small copy of the
+  window's mix, in a seeded order stratified so that no part of a window is a curriculum. With ``global_batch`` ≥
+  that many samples per rank, with ``window_samples_per_rank`` 0, or when ranks synchronise once per step (per-rank
+  totals balanced by ``balance.balance``), W = 1 and a step is its own window of exactly ``global_batch`` samples.
+
+  **What a step trains** (``step_budget``). "samples": every step holds ``global_batch`` samples (within a few
+  percent: a slot's micro-batches hold at most G/(4R) rows per rank, a packed row G/(2R) samples, so slots are
+  small enough to deal), and every sample weighs 1/G in the gradient wherever it lands — the mean over the batch
+  the user asked for. "tokens": every step holds G × the dataset's mean tokens per sample, micro-batches as full as
+  memory allows, and every token weighs the same (1/that budget per token): the sample count varies by step, and
+  a long clip weighs more than an image, as in trainers that normalise the loss by tokens.
 - ``paper``: per-bucket batch sizes ``B = max(1, min(⌊M_mem/S⌋, ⌊M_comp/S^p⌋))``; each rank draws one bucket chunk
   per step (``scheduler.BucketChunks``), so the global sample count varies per step.
 - ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
@@ -25,6 +31,7 @@ micro-batch is then expert-homogeneous.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,10 +58,10 @@ from wanloom_trainer.adaptiveload.layout import (
     StepItems,
     cost_grid,
     critical_work,
+    deal_steps,
     materialise,
     per_rank_assignment,
     slots_by_group,
-    split_into_steps,
     spmd_assignment,
 )
 from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
@@ -67,6 +74,7 @@ from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 
 SYNCS = ("micro-batch", "step")
+STEP_BUDGETS = ("samples", "tokens")
 _WINDOW_TAG = 0x3D0  # the order a window's slots are dealt to its steps in
 
 
@@ -100,6 +108,7 @@ class PlanConfig:
         window_samples_per_rank: "balanced" plans this many samples per rank at once, at most an epoch (module
             docstring); 0: every step alone.
         max_segments: segment slots a packed row may have (the AdaLN kernel's VMEM budget).
+        step_budget: "balanced": "samples" or "tokens", what every step holds the same amount of (module docstring).
     """
 
     num_ranks: int
@@ -115,6 +124,7 @@ class PlanConfig:
     sequence_multiple: int = 1
     window_samples_per_rank: int = 256
     max_segments: int = 128
+    step_budget: str = "samples"
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -123,6 +133,8 @@ class PlanConfig:
             raise ValueError(f"adaptiveLoad.scheduler {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.step_budget not in STEP_BUDGETS:
+            raise ValueError(f"adaptiveLoad.stepBudget {self.step_budget!r} is not one of {', '.join(STEP_BUDGETS)}")
         if self.sync not in SYNCS:
             raise ValueError(f"sync {self.sync!r} is not one of {', '.join(SYNCS)}")
         if self.policy == "balanced" and (self.global_batch is None or self.global_batch < 1):
@@ -212,6 +224,13 @@ class Planner:
         planner._use_cost_model(cost_model)
         return planner
 
+    def with_step_budget(self, step_budget: str) -> Planner:
+        """The same planner with the other ``step_budget`` ("samples" or "tokens"): ``wanloom plan`` shows both."""
+        planner = copy.copy(self)
+        planner.config = dataclasses.replace(self.config, step_budget=step_budget)
+        planner._windows = {}
+        return planner
+
     def _batch_sizes(self, policy: str) -> np.ndarray:
         """Rows per rank per step for each bucket: the paper's B_shape, or the memory cap for "balanced"."""
         m_mem = self.config.memory_budget_tokens
@@ -291,23 +310,39 @@ class Planner:
         # Every step needs a slot: each expert gets at least its share of W slots.
         experts = np.bincount(items.expert, minlength=2)
         min_slots = tuple(int(-(-steps * n // len(items.expert))) if n else 0 for n in experts.tolist())
+        # Steps of G samples are dealt whole slots: a slot must be a small part of G (module docstring).
+        per_sample = steps > 1 and cfg.step_budget == "samples"
         if cfg.layout == "spmd":
+            shapes = self.row_shapes
+            if per_sample:
+                shapes = dataclasses.replace(shapes, samples_per_row=max(1, batch // (2 * cfg.num_ranks)))
             a = packed_assignment(
-                items, cfg.num_ranks, facts, shapes=self.row_shapes, pad_cost=self.cost_model.sample_cost,
+                items, cfg.num_ranks, facts, shapes=shapes, pad_cost=self.cost_model.sample_cost,
                 min_slots=(min_slots[0], min_slots[1]),
             )  # fmt: skip
         elif cfg.sync == "micro-batch":
+            cap = np.minimum(facts.cap, max(1, batch // (4 * cfg.num_ranks))) if per_sample else facts.cap
             owner, slot = lockstep_assign(
-                items.bucket, items.expert, facts.cost, facts.cap, cfg.num_ranks, facts.overhead, min_slots=min_slots
+                items.bucket, items.expert, facts.cost, cap, cfg.num_ranks, facts.overhead, min_slots=min_slots
             )
             a = per_rank_assignment(items, owner, slot, cfg.num_ranks)
         else:
             groups = items.expert * len(facts.tokens) + items.bucket
             owner = balance(facts.cost[items.bucket], groups, cfg.num_ranks, cfg.repair_iters)
             a = per_rank_assignment(items, owner, slots_by_group(items, owner, cfg.num_ranks, facts), cfg.num_ranks)
+        a = dataclasses.replace(a, weight_norm=self.weight_norm, token_weights=cfg.step_budget == "tokens")
         if steps == 1:
             return [a]
-        return split_into_steps(a, steps, np.random.default_rng([cfg.seed, window, _WINDOW_TAG]))
+        rng = np.random.default_rng([cfg.seed, window, _WINDOW_TAG])
+        return deal_steps(a, steps, facts, rng, bound=cfg.step_budget)
+
+    @property
+    def weight_norm(self) -> float:
+        """ "balanced": a sample's loss weight is 1/G ("samples"), a token's 1/(G × mean tokens per sample)."""
+        batch = float(self.config.global_batch or 0)
+        if self.config.step_budget == "tokens":
+            return batch * float(self.facts.tokens[self.bucket_of].mean())
+        return batch
 
     def plan(self, step: int) -> StepPlan:
         """The full plan of global step ``step`` (every rank's micro-batches)."""
@@ -374,6 +409,7 @@ def planner_from_config(config: Any, sample_shapes: Any, cost: CostModel, *, pol
         sequence_multiple=config.parallel.context * config.parallel.tensor,
         window_samples_per_rank=al.window_samples_per_rank,
         max_segments=max_packed_segments(config.model.wan.dim),
+        step_budget=al.step_budget,
     )
     buckets = None if al.buckets is None else BucketTable.from_pixels(config.model.wan, [b.pixels for b in al.buckets])
     return Planner(sample_shapes, config.model.wan, plan_config, cost, config.routing.router(), buckets)

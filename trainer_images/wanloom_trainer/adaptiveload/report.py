@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from wanloom_trainer.adaptiveload.batch_size import equal_token_batch_sizes, paper_batch_sizes
-from wanloom_trainer.adaptiveload.compare import BASELINE, PolicyResult, compare
+from wanloom_trainer.adaptiveload.compare import (
+    BASELINE,
+    PolicyResult,
+    StepSemantics,
+    balanced,
+    compare,
+    semantics_problems,
+)
 from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
 from wanloom_trainer.adaptiveload.planner import Planner, planner_from_config
 
@@ -125,14 +132,52 @@ def policies_json(results: dict[str, PolicyResult]) -> dict[str, dict[str, float
     return {name: r.to_json(results[BASELINE]) for name, r in results.items()}
 
 
-def comparison_warnings(results: dict[str, PolicyResult]) -> list[str]:
-    """Said once, where the balanced scheduler is predicted slower than the bucket sampler."""
-    ratio = results["balanced"].tokens_per_second / results[BASELINE].tokens_per_second
-    if ratio >= 1.0:
-        return []
+def comparison_warnings(results: dict[str, PolicyResult], step_budget: str = "samples") -> list[str]:
+    """Said once, where the balanced scheduler is predicted slower than the bucket sampler, or its steps break what
+    the step budget promises."""
+    ours = results["balanced"]
+    warnings = []
+    if ours.semantics is not None:
+        warnings.extend(f"balanced steps: {p}" for p in semantics_problems(ours.semantics, step_budget))
+    ratio = ours.tokens_per_second / results[BASELINE].tokens_per_second
+    if ratio < 1.0:
+        warnings.append(
+            f"spec.adaptiveLoad.scheduler balanced is predicted at {ratio:.2f}x the bucket sampler on this data: "
+            "balancing cannot help here; set spec.adaptiveLoad.scheduler: equal-tokens (one bucket per micro-batch)"
+        )
+    return warnings
+
+
+def other_budget(planner: Planner, steps: int, results: dict[str, PolicyResult]) -> dict[str, Any] | None:
+    """The balanced plan with the other ``adaptiveLoad.stepBudget`` over the same stream: what the choice costs or
+    buys (None when a step is its own window: both budgets plan the same steps)."""
+    if planner.window_steps == 1:
+        return None
+    other = "tokens" if planner.config.step_budget == "samples" else "samples"
+    result = balanced(planner.with_step_budget(other), steps)[0]
+    return {
+        "step_budget": other,
+        "throughput_vs_baseline": result.tokens_per_second / results[BASELINE].tokens_per_second,
+        "samples_per_step": result.semantics.samples if result.semantics else None,
+    }
+
+
+def semantics_lines(semantics: StepSemantics, step_budget: str) -> list[str]:
+    """What a balanced step trains, in a few lines."""
+    p5, median, p95, largest = semantics.samples
+    t5, tmed, t95, _ = semantics.tokens
+    third = "/".join(f"{x:.2f}" for x in semantics.image_share_by_third)
+    third_tokens = "/".join(f"{x:.2f}" for x in semantics.tokens_per_sample_by_third)
+    rule = "1/globalBatch per sample" if step_budget == "samples" else "the same weight per token"
     return [
-        f"spec.adaptiveLoad.scheduler balanced is predicted at {ratio:.2f}x the bucket sampler on this data: "
-        "balancing cannot help here; set spec.adaptiveLoad.scheduler: equal-tokens (one bucket per micro-batch)"
+        f"balanced steps (stepBudget {step_budget}, {rule}): samples per step p5 {p5:.0f}, median {median:.0f}, "
+        f"p95 {p95:.0f}, max {largest:.0f} (globalBatch {semantics.global_batch}); tokens per step p5 {t5:,.0f}, "
+        f"median {tmed:,.0f}, p95 {t95:,.0f}",
+        f"window thirds against their window: image share {third}, tokens per sample {third_tokens} (worst third "
+        f"{semantics.worst_third:.0%} off)",
+        f"expert updates: high-noise in {semantics.expert_update_share[0]:.0%} of steps "
+        f"({semantics.expert_samples_per_step[0]:.1f} samples/step), low-noise in "
+        f"{semantics.expert_update_share[1]:.0%} ({semantics.expert_samples_per_step[1]:.1f} samples/step)",
     ]
 
 
@@ -172,7 +217,10 @@ def run_plan(
     pl = planner_from_config(config, shapes, cost.model, policy="balanced", layout=layout)
     steps = compare_steps(pl)
     results = compare(pl, steps)
-    warnings = comparison_warnings(results)
+    budget = pl.config.step_budget
+    warnings = comparison_warnings(results, budget)
+    alternative = other_budget(pl, steps, results)
+    semantics = results["balanced"].semantics
     if as_json:
         shares = config.routing.expected_shares()
         return json.dumps(
@@ -187,6 +235,9 @@ def run_plan(
                 "scheduler": config.adaptive_load.scheduler if config.adaptive_load.enabled else "equal-tokens",
                 "baseline": BASELINE,
                 "policies": policies_json(results),
+                "step_budget": budget,
+                "step_semantics": semantics.to_json() if semantics else None,
+                "other_step_budget": alternative,
                 "buckets": bucket_rows(pl),
                 "warnings": warnings,
             }
@@ -211,4 +262,12 @@ def run_plan(
         f"the {BASELINE}; load CV over each slot's useful compute; shapes: step programs needed):",
         policy_table(results),
     ]
+    if semantics is not None:
+        body += ["", *semantics_lines(semantics, budget)]
+    if alternative is not None:
+        body.append(
+            f"with spec.adaptiveLoad.stepBudget {alternative['step_budget']}: balanced at "
+            f"{alternative['throughput_vs_baseline']:.2f}x the {BASELINE} (samples per step p5 "
+            f"{alternative['samples_per_step'][0]:.0f} .. max {alternative['samples_per_step'][3]:.0f})"
+        )
     return "\n".join(head + body)

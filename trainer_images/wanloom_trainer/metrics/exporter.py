@@ -172,6 +172,8 @@ class TrainerMetrics:
     def _record_throughput(self, record: StepRecord) -> None:
         wall = record.wall_time_s
         self._metric(Metric.TOKENS_PER_SECOND).labels(self.trainingjob).set(record.log.tokens / wall)
+        self._metric(Metric.STEP_SAMPLES).labels(self.trainingjob).set(sum(record.log.expert_samples.values()))
+        self._metric(Metric.STEP_TOKENS).labels(self.trainingjob).set(record.log.tokens)
         try:
             ratio = flops.mfu(record.log.model_flops, wall, record.num_devices, record.accelerator)
         except ValueError as err:

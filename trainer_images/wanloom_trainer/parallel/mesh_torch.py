@@ -12,8 +12,8 @@ native SDPA backend): NCCL on GPUs, gloo on CPUs (the multi-process tests compar
 context degree must divide the head count and every micro-batch's token count (T'·H'·W' / 4); the planner refuses
 buckets it does not divide (``adaptiveload.planner``).
 
-Gradients are *summed* over data-parallel ranks (divide factor 1): ``adaptiveload.plan`` weights every sample by
-``1 / num_samples`` of the whole step, so the sum is the gradient of the global mean whatever the per-rank batches.
+Gradients are *summed* over data-parallel ranks (divide factor 1): ``adaptiveload.plan`` gives every sample a weight
+that holds the step's normaliser (1/globalBatch), so the sum is the step's gradient whatever the per-rank batches.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ then applies AdamW to every expert with ``expert_samples[e] > 0``; an expert wit
 and optimizer state bit for bit (per-batch routing: exactly one expert moves per step).
 
 Loss contract (``adaptiveload.plan``): the gradient is that of Σ_slots Σ_rows ``weights[i] · loss_i`` with
-``loss_i`` the row's mean squared velocity error; ``weights`` already hold 1/num_samples (0 for padding rows) times
+``loss_i`` the row's mean squared velocity error; ``weights`` hold the plan's normaliser (0 for padding rows) times
 the routing loss weight, and gradients are summed (not averaged) over ranks.
 """
 
@@ -122,7 +122,7 @@ class StepOutputs:
 
     @property
     def loss(self) -> float:
-        """The step's loss: Σ over experts of their weighted loss sums (weights carry 1/num_samples)."""
+        """The step's loss: Σ over experts of their weighted loss sums (weights carry the plan's normaliser)."""
         return sum(e.loss_sum for e in self.experts)
 
 

@@ -1,7 +1,7 @@
 """From plans to backend inputs: the planner for a run, and loaded micro-batches → ``backend.Slot``.
 
 Framework-free (numpy): both backends get the same rows, noise, timesteps and weights for the same plan.
-The loss weight of a row is the plan's weight (1/num_samples for real rows, 0 for padding and bad samples) times
+The loss weight of a row is the plan's weight (1/globalBatch for real rows, 0 for padding and bad samples) times
 the routing loss weight of its timestep (``routing.loss_weights``, normalised over the fixed 1000-point grid).
 """
 

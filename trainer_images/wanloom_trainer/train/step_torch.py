@@ -3,7 +3,7 @@
 The same math as ``train.step_jax`` (and ``train.objective``'s numpy reference):
 
     σ = t / 1000,  x_t = (1 − σ)·x0 + σ·ε,  v = ε − x0,  loss_i = mean (model(x_t, t) − v)²
-    micro-batch loss = Σ_i weights_i · loss_i          (weights carry 1/num_samples and the routing weight)
+    micro-batch loss = Σ_i weights_i · loss_i          (weights carry the plan's 1/globalBatch and the routing weight)
 
 x_t and the loss are computed in fp32; the model receives x_t and the text in the compute dtype and the timesteps
 in fp32 (bf16 cannot tell t = 999 from t = 1000). AdamW matches optax's ``scale_by_adam`` + decoupled weight
