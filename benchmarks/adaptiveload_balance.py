@@ -92,6 +92,15 @@ def run_config(index, mode: dict, ranks: int, per_rank: int) -> dict[str, dict[s
     results = compare(p, steps)
     rows = {name: r.to_json(results[BASELINE]) for name, r in results.items()}
     rows["balanced"]["shapes_per_expert"] = max(results["balanced"].shapes_per_expert)
+    sem = results["balanced"].semantics
+    g = per_rank * ranks
+    rows["balanced"].update(
+        samples_p5=sem.samples[0] / g, samples_p95=sem.samples[2] / g, samples_max=sem.samples[3] / g,
+        worst_third=sem.worst_third, expert_update_share=min(sem.expert_update_share),
+    )  # fmt: skip
+    if p.window_steps > 1:  # what the other step budget would give over the same stream
+        alt = balanced(p.with_step_budget("tokens"), steps)[0]
+        rows["balanced"]["tokens_budget_vs_baseline"] = alt.tokens_per_second / results[BASELINE].tokens_per_second
     if mode["layout"] == "spmd":
         steady = sampler(p, BASELINE, *balanced(p, steps)[1:], steady_state=True)
         rows["balanced"]["throughput_vs_steady_sampler"] = (
@@ -127,17 +136,25 @@ def planning(index, mode: dict, step_s: float = 0.05, steps: int = 16) -> dict[s
 
 def table(results: dict) -> str:
     lines = [
-        "| mix | mode | ranks | samples/rank | policy | × bucket sampler | load CV | padding | idle | step programs |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| mix | mode | ranks | samples/rank | policy | × bucket sampler | load CV | padding | idle | step programs "
+        "| samples/step ÷ G (p5–p95, max) | worst window third | × sampler, token budget |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for key, r in results.items():
         mix, mode, ranks, per_rank, policy = key.split("/")
         ratio = f"{r['throughput_vs_baseline']:.2f}"
         if "throughput_vs_steady_sampler" in r:
             ratio += f" (steady {r['throughput_vs_steady_sampler']:.2f})"
+        semantics = " | |"
+        if "samples_p5" in r:
+            tokens = f"{r['tokens_budget_vs_baseline']:.2f}" if "tokens_budget_vs_baseline" in r else ""
+            semantics = (
+                f" {r['samples_p5']:.2f}–{r['samples_p95']:.2f}, {r['samples_max']:.2f} | {r['worst_third']:.0%} | "
+                f"{tokens} |"
+            )
         lines.append(
             f"| {mix} | {mode} | {int(ranks):,} | {per_rank} | {policy} | {ratio} | {r['load_cv']:.1%} | "
-            f"{r['padding_fraction']:.1%} | {r['idle_fraction']:.1%} | {r['compiled_shapes']} |"
+            f"{r['padding_fraction']:.1%} | {r['idle_fraction']:.1%} | {r['compiled_shapes']} |{semantics}"
         )
     return "\n".join(lines)
 
