@@ -164,7 +164,9 @@ def _balanced_short_rows(tokens: np.ndarray, num_rows: int, capacity: int, max_s
     for i in np.argsort(-tokens, kind="stable").tolist():
         t = int(tokens[i])
         while heap and (heap[0][0] + t > capacity or heap[0][1] >= max_samples):
-            parked.append(heapq.heappop(heap))  # full for this size; smaller samples may still fit
+            row = heapq.heappop(heap)
+            if row[1] < max_samples:  # full for this size; smaller samples may still fit (a full count never frees)
+                parked.append(row)
         if not heap:
             raise ValueError(f"{len(tokens)} samples do not fit {num_rows} short rows of {capacity} tokens")
         used, count, r = heapq.heappop(heap)
