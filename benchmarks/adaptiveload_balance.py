@@ -1,10 +1,10 @@
 """AdaptiveLoad against the sampler users would otherwise run, over one sample stream, in the trainers' modes.
 
-Policies (``adaptiveload.compare``): ``bucket-sampler`` (the baseline: one bucket and one expert per micro-batch,
-B = ⌊M_mem/S_b⌋; per-rank draws in lockstep on GPUs, one bucket per slot for all devices on TPUs), ``paper`` (the
-same sampler with the paper's B) and ``balanced`` (the trainer's planner: planning windows, lockstep slots on GPUs,
-two-shape packing on TPUs). Each consumes the same stream: 1,024 samples per data-parallel rank of the balanced
-planner's data order and routing draws, at 4 and 16 samples per rank per step.
+Policies (``adaptiveload.comparison.compare``): ``bucket-sampler`` (the baseline: one bucket and one expert per
+micro-batch, B = ⌊M_mem/S_b⌋; per-rank draws in lockstep on GPUs, one bucket per slot for all devices on TPUs),
+``paper`` (the same sampler with the paper's B) and ``balanced`` (the trainer's planner: planning windows, lockstep
+slots on GPUs, two-shape packing on TPUs). Each consumes the same stream: 1,024 samples per data-parallel rank of the
+balanced planner's data order and routing draws, at 4 and 16 samples per rank per step.
 
 - ``gpu``: the PyTorch trainer's layout, per-rank micro-batches with FSDP collectives in every micro-batch
   (lockstep), memoryBudgetTokens 151,200 (two 720p × 81 clips);
@@ -14,8 +14,8 @@ planner's data order and routing draws, at 4 and 16 samples per rank per step.
   much longer epoch).
 
 Costs come from the analytic Wan2.2-T2V-A14B FLOP model (``flops.py``) at 40% of the device's dense bf16 peak plus a
-per-micro-batch overhead (0.05 s GPU, 0.02 s TPU); ratios do not depend on the rate. Three shape mixes: the
-reference mix of ``adaptiveload.simulate``, a held-out one (more images, more 720p, shorter clips) and an unseen one
+per-micro-batch overhead (0.05 s GPU, 0.02 s TPU); ratios do not depend on the rate. Three shape mixes: the reference
+mix of ``adaptiveload.comparison.simulate``, a held-out one (more images, more 720p, shorter clips) and an unseen one
 added after the planner was tuned (mostly 480p, portrait-heavy, 3 s clips, few images).
 
 Planning cost at 1,024 ranks: ``plan_local`` (what one process computes) on one core, median and the slowest step
@@ -37,16 +37,16 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from wanloom_trainer.adaptiveload.compare import BASELINE, POLICIES, balanced, compare, sampler
-from wanloom_trainer.adaptiveload.cost_model import FlopCost
+from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, POLICIES, balanced, compare, sampler
+from wanloom_trainer.adaptiveload.comparison.report import compare_steps
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
+from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.report import compare_steps
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 from wanloom_trainer.config.variants import get_variant
+from wanloom_trainer.feed.plan_ahead import PlansAhead
 from wanloom_trainer.flops import get_accelerator
 from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 from wanloom_trainer.routing import Router, TimestepSampler
-from wanloom_trainer.train.plan_ahead import PlansAhead
 
 RESULTS = Path(__file__).parent / "results"
 RANKS = (16, 64, 1024)

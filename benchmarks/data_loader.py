@@ -28,9 +28,9 @@ from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
 from wanloom_trainer.data.format import EncodedSample
 from wanloom_trainer.data.index import DatasetHeader
 from wanloom_trainer.data.prefetch import PlanPrefetcher
+from wanloom_trainer.data.prepare.writer import DatasetWriter
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.storage import open_storage
-from wanloom_trainer.data.writer import DatasetWriter
 
 LATENT = (16, 21, 90, 160)
 TEXT = (512, 4096)

@@ -5,7 +5,7 @@ The job is one of the A14B/5B architectures cut to a few layers (or the tiny mod
 ``torch.compile`` of the blocks when asked, flash attention on CUDA), trains ``--steps`` steps of one micro-batch
 per rank at the job's token count, and reports the median step time after the first (compile) steps, MFU against
 the GPU's dense bf16 peak (``flops.py``), and the peak memory PyTorch allocated, beside the FSDPMemTracker estimate
-of the same job (``train/compile_gpu.py``, run in a process of its own).
+of the same job (``backends/torch/compile.py``, run in a process of its own).
 
     PYTHONPATH=operator:trainer_images python benchmarks/gpu_train_step.py --variant wan2.2-ti2v-5b --layers 4 \
         --shape 33x480x832 --compile --adaln fused          # one GPU
@@ -71,12 +71,12 @@ def worker(job_path: str, steps: int, layers: int | None, shape: str) -> None:
     import torch
 
     from wanloom_api.validation import load_trainingjob_file
-    from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels
+    from wanloom_trainer.adaptiveload.sizing.tokens import latent_shapes_for_pixels
+    from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+    from wanloom_trainer.backends.objective import batch_noise
+    from wanloom_trainer.backends.torch.backend import TorchBackend
     from wanloom_trainer.config.train_config import from_trainingjob
     from wanloom_trainer.flops import mfu, train_flops_per_step
-    from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-    from wanloom_trainer.train.backend_torch import TorchBackend
-    from wanloom_trainer.train.objective import batch_noise
 
     config = from_trainingjob(load_trainingjob_file(job_path), {"WANLOOM_RUN_DIR": tempfile.mkdtemp()})
     if layers is not None:

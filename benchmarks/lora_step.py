@@ -20,11 +20,11 @@ import time
 import torch
 
 from wanloom_api.trainingjob import LoraSpec, OptimizerSpec
+from wanloom_trainer.backends.torch.step import flow_matching_loss, make_adamw
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.flops import flop_breakdown
 from wanloom_trainer.model.lora_torch import add_lora
 from wanloom_trainer.model.wan_torch import build_expert
-from wanloom_trainer.train.step_torch import flow_matching_loss, make_adamw
 
 VARIANT = dataclasses.replace(get_variant("tiny"), name="bench", dim=1024, ffn_dim=4096, num_heads=8, num_layers=4)
 

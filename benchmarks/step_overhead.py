@@ -148,9 +148,9 @@ def paired_round(backend_name: str, steps: int) -> dict[str, Any]:
 def minimal_torch(config: Any) -> Any:
     import torch
 
+    from wanloom_trainer.backends.torch.backend import expert_seed
+    from wanloom_trainer.backends.torch.step import flow_matching_loss, make_adamw, rows_to_tensors, update
     from wanloom_trainer.model.wan_torch import build_expert
-    from wanloom_trainer.train.backend_torch import expert_seed
-    from wanloom_trainer.train.step_torch import flow_matching_loss, make_adamw, rows_to_tensors, update
 
     models = [build_expert(config.model.wan, seed=expert_seed(config.seed, e)) for e in range(2)]
     optimizers = [make_adamw(m.parameters(), config.optimizer) for m in models]
@@ -170,7 +170,7 @@ def minimal_torch(config: Any) -> Any:
 
 def _host_batch(rows: Any) -> tuple[dict[str, np.ndarray], int]:
     """One rank's rows as the arrays the step reads, rows padded to a power of two (the trainer's programs)."""
-    from wanloom_trainer.train.packing import PackedRows
+    from wanloom_trainer.backends.packing import PackedRows
 
     if isinstance(rows, PackedRows):
         keys = ("latents", "noise", "condition", "positions", "segment_ids", "text", "timesteps", "weights",
@@ -199,8 +199,8 @@ def minimal_jax(config: Any) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
+    from wanloom_trainer.backends.jax.step import flow_matching_loss, moment_transform, packed_flow_matching_loss
     from wanloom_trainer.model.wan_jax import init_model
-    from wanloom_trainer.train.step_jax import flow_matching_loss, moment_transform, packed_flow_matching_loss
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     m = config.model

@@ -3,7 +3,7 @@
     PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/tpu_compile.py [--remat none full] [--json]
 
 For the example job (`jobs/t2v-a14b-tpu7x-2x4x4x4.yaml`: 2 × tpu7x 4x4x4, data 2 × fsdp 32 × context 4) and the
-same job on one 4x4x4 slice (data 1), with each remat policy, `wanloom compile`'s programs (`train/compile_tpu.py`:
+same job on one 4x4x4 slice (data 1), with each remat policy, `wanloom compile`'s programs (`backends/jax/compile.py`:
 the job's mesh, fused AdaLN, splash attention and its largest micro-batch, both experts' state resident) are
 compiled at ``--depths`` layers, by default the model's 40: the blocks run as one scan, so compile time does not
 grow with depth. Shallower depths are extended to 40 layers by the line through them (every term is affine in the
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from wanloom_api.validation import load_trainingjob_file
-from wanloom_trainer.train.compile_tpu import HBM_BYTES_PER_DEVICE, compile_job
+from wanloom_trainer.backends.jax.compile import HBM_BYTES_PER_DEVICE, compile_job
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "t2v-a14b-tpu7x-2x4x4x4.yaml"
 REMATS = ("none", "save-attention", "save-matmuls", "full")

@@ -47,7 +47,7 @@ def _imports(package: str) -> dict[str, str]:
     """Third-party distribution -> a file of ``package`` that imports it."""
     owners = metadata.packages_distributions()
     found: dict[str, str] = {}
-    root = next(p for p in (ROOT / "operator" / package, ROOT / "trainer_images" / package) if p.exists())
+    root = next(p for p in (ROOT / d / package for d in ("operator", "cli", "trainer_images")) if p.exists())
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

@@ -57,7 +57,7 @@ LAYERS = {
     "wanloom_trainer": {"wanloom_api"},
     "wanloom_cli": {"wanloom_api", "wanloom_operator", "wanloom_trainer"},
 }
-SOURCE_ROOTS = (ROOT / "operator", ROOT / "trainer_images")
+SOURCE_ROOTS = (ROOT / "operator", ROOT / "cli", ROOT / "trainer_images")
 
 
 def _packages() -> dict[str, Path]:

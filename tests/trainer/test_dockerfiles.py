@@ -173,7 +173,7 @@ SIDES = {"tpu": "wanloom_trainer", "gpu": "wanloom_trainer", "operator": "wanloo
 @pytest.mark.parametrize("image", IMAGES)
 def test_each_image_ships_only_its_side(image: str) -> None:
     sources = [a.split()[0] for a in _dockerfile(image).args("COPY")]
-    packages = {Path(src).name for src in sources if src.startswith(("operator/", "trainer_images/wanloom_"))}
+    packages = {Path(src).name for src in sources if src.startswith(("operator/", "cli/", "trainer_images/wanloom_"))}
     assert packages == {"wanloom_api", "wanloom_cli", SIDES[image]}, f"{image}: copies {sorted(packages)}"
 
 

@@ -47,7 +47,7 @@ async def test_wanloom_operator_process(world: World) -> None:
     liveness, metrics = free_port(), free_port()
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "cli"), str(ROOT / "trainer_images")]),
         "WANLOOM_KUBE_API_SERVER": str(world.kmock.url),
     }
     process = await asyncio.create_subprocess_exec(

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import FlopCost
-from wanloom_trainer.adaptiveload.shape_index import SampleShapes
+from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
+from wanloom_trainer.adaptiveload.sizing.shape_index import SampleShapes
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.routing import Router, TimestepSampler
 

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.balance import balance, lpt_groups, water_fill
+from wanloom_trainer.adaptiveload.assignment.balance import balance, lpt_groups, water_fill
 
 
 def lpt_reference(loads, n, cost):

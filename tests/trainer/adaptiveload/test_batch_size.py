@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.batch_size import (
+from wanloom_trainer.adaptiveload.sizing.batch_size import (
     default_compute_budget,
     equal_token_batch_sizes,
     paper_batch_sizes,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.buckets import (
+from wanloom_trainer.adaptiveload.sizing.buckets import (
     BucketTable,
     cut_to_token_multiple,
     derive_buckets,

@@ -4,10 +4,10 @@ it run it, and the GPU targets on a mix the planner was not tuned on."""
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.compare import BASELINE, balanced, compare, sampler, sampler_batch_sizes
-from wanloom_trainer.adaptiveload.cost_model import FlopCost
+from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, balanced, compare, sampler, sampler_batch_sizes
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
+from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 
 from .conftest import A14B
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import (
+from wanloom_trainer.adaptiveload.cost.cost_model import (
     FlopCost,
     PowerCost,
     TwoTermCost,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.lockstep import (
+from wanloom_trainer.adaptiveload.assignment.lockstep import (
     Apportionment,
     lockstep_assign,
     row_fill,

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.compare import compare
-from wanloom_trainer.adaptiveload.packing import expert_rows, row_shapes
+from wanloom_trainer.adaptiveload.assignment.packing import expert_rows, row_shapes
+from wanloom_trainer.adaptiveload.comparison.compare import compare
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 
 from .conftest import A14B
 

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.buckets import BucketTable
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
 from wanloom_trainer.adaptiveload.metrics import compute_load_cv, plan_cost_grid
 from wanloom_trainer.adaptiveload.plan import StepPlan
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner, plan_step
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
+from wanloom_trainer.adaptiveload.sizing.buckets import BucketTable
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.routing import Router, TimestepSampler
 
@@ -128,7 +128,7 @@ HELD_OUT = MixSpec(
 
 @pytest.mark.parametrize("sync", ["micro-batch", "step"])
 def test_balanced_beats_paper_beats_equal_tokens_on_held_out_mix(sync):
-    from wanloom_trainer.adaptiveload.cost_model import FlopCost
+    from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
 
     ti2v = get_variant("wan2.2-ti2v-5b")
     index = synthetic_index(ti2v, 5_000, seed=4, mix=HELD_OUT)
@@ -178,7 +178,7 @@ def test_slot_work_is_the_heaviest_cell_of_each_slot(index, flop_cost, router, p
 
 def test_a_new_cost_model_keeps_samples_and_changes_the_balance(index, flop_cost, router):
     """An online refit swaps the cost model: the same samples, routed alike, are planned with the new costs."""
-    from wanloom_trainer.adaptiveload.cost_model import TwoTermCost
+    from wanloom_trainer.adaptiveload.cost.cost_model import TwoTermCost
 
     planner = make(index, flop_cost, router, "balanced", "per-rank")
     linear = planner.with_cost_model(TwoTermCost(a=0.0, alpha=1.0, beta=0.0))
@@ -192,7 +192,7 @@ def test_a_new_cost_model_keeps_samples_and_changes_the_balance(index, flop_cost
 
 
 def test_a_cost_model_with_invalid_costs_is_refused(index, router):
-    from wanloom_trainer.adaptiveload.cost_model import PowerCost
+    from wanloom_trainer.adaptiveload.cost.cost_model import PowerCost
 
     with pytest.raises(ValueError, match=r"predicts an invalid cost for bucket .* refit it"):
         make(index, PowerCost(a=0.0, b=float("nan"), p=1.5), router, "balanced", "per-rank")

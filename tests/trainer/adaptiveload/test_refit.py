@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import FlopCost, PowerCost, Timings, TwoTermCost, fit_timings
-from wanloom_trainer.adaptiveload.refit import (
+from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost, PowerCost, Timings, TwoTermCost, fit_timings
+from wanloom_trainer.adaptiveload.cost.refit import (
     MIN_MEASUREMENTS,
     OnlineRefit,
     decode_model,

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from wanloom_trainer.adaptiveload.report import run_plan
-from wanloom_trainer.adaptiveload.shape_bench import BenchPoint, load_points, save_points
+from wanloom_trainer.adaptiveload.comparison.report import run_plan
+from wanloom_trainer.adaptiveload.cost.shape_bench import BenchPoint, load_points, save_points
 from wanloom_trainer.config.variants import get_variant
 
 TINY = get_variant("tiny")
@@ -33,7 +33,7 @@ def write_job(tmp_path: Path, data: Path, resources: str, extra: str = "") -> Pa
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from wanloom_trainer.data.synth import write_synthetic
+    from wanloom_trainer.data.prepare.synth import write_synthetic
 
     root = tmp_path_factory.mktemp("data")
     write_synthetic(str(root), TINY, 120, seed=0)
@@ -170,7 +170,7 @@ def test_the_shape_benchmark_times_the_jobs_own_step(tmp_path, backend):
     """The benchmark step is the job's backend step: it trains (parameters move), and it is timed per grid point."""
     import importlib.util
 
-    from wanloom_trainer.adaptiveload.shape_bench import run_shape_bench, save_points
+    from wanloom_trainer.adaptiveload.cost.shape_bench import run_shape_bench, save_points
     from wanloom_trainer.train.bench_step import BackendStep
 
     spec = importlib.util.spec_from_file_location("tiny_job", ROOT / "tests/trainer/train/scripts/tiny_job.py")
@@ -212,7 +212,7 @@ def fake_config(tmp_path, cost_model="auto", exponent=None, bench_file=None, acc
 
 
 def test_cost_source_paths(tmp_path):
-    from wanloom_trainer.adaptiveload.cost_source import resolve_cost_model
+    from wanloom_trainer.adaptiveload.cost.cost_source import resolve_cost_model
 
     assert resolve_cost_model(fake_config(tmp_path)).model.kind == "flops"
     h200 = resolve_cost_model(fake_config(tmp_path, accelerator="gpu"))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
+from wanloom_trainer.adaptiveload.assignment.scheduler import BucketChunks, SampleStream
 
 
 def test_stream_covers_every_sample_once_per_epoch():

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import TwoTermCost, predict
-from wanloom_trainer.adaptiveload.shape_bench import (
+from wanloom_trainer.adaptiveload.cost.cost_model import TwoTermCost, predict
+from wanloom_trainer.adaptiveload.cost.shape_bench import (
     bench_key,
     fit_points,
     load_points,

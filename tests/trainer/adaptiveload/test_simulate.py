@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
 from wanloom_trainer.config.variants import get_variant
 
 from .conftest import A14B

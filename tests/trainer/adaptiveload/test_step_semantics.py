@@ -8,10 +8,10 @@ both experts); the throughput of each plan is compared with the bucket sampler o
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.compare import BASELINE, compare, semantics_problems, step_semantics
-from wanloom_trainer.adaptiveload.cost_model import FlopCost
+from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, compare, semantics_problems, step_semantics
+from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
+from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
-from wanloom_trainer.adaptiveload.simulate import MixSpec, synthetic_index
 from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 from wanloom_trainer.routing import Router, TimestepSampler
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.tokens import latent_shapes_for_pixels, tokens_for_latents, tokens_for_pixels
+from wanloom_trainer.adaptiveload.sizing.tokens import latent_shapes_for_pixels, tokens_for_latents, tokens_for_pixels
 from wanloom_trainer.config.variants import get_variant
 
 A14B = get_variant("wan2.2-t2v-a14b")

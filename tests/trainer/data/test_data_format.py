@@ -20,8 +20,8 @@ from wanloom_trainer.data.format import (
     to_bfloat16_bits,
 )
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
+from wanloom_trainer.data.prepare.writer import build_index
 from wanloom_trainer.data.shards import ShardWriter, payload_crc, stream_shard
-from wanloom_trainer.data.writer import build_index
 
 
 def _sample(

@@ -9,7 +9,7 @@ import pytest
 
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.bucketing import Bucket, choose_bucket, parse_bucket, resize_crop, validate_buckets
-from wanloom_trainer.data.media import MediaError, load_image, load_media, load_video
+from wanloom_trainer.data.prepare.media import MediaError, load_image, load_media, load_video
 
 BUCKETS = tuple(
     parse_bucket(b) for b in ("1x480x832", "1x832x480", "1x624x624", "81x480x832", "33x480x832", "81x720x1280")

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import PowerCost
+from wanloom_trainer.adaptiveload.cost.cost_model import PowerCost
 from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.prefetch import PlanPrefetcher, default_workers
+from wanloom_trainer.data.prepare.synth import write_synthetic
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.skips import TooManyBadSamples
-from wanloom_trainer.data.synth import write_synthetic
 from wanloom_trainer.routing import Router, TimestepSampler
 
 TINY = get_variant("tiny")

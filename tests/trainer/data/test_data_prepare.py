@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.cost_model import PowerCost
+from wanloom_trainer.adaptiveload.cost.cost_model import PowerCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.bucketing import parse_bucket
 from wanloom_trainer.data.format import from_bfloat16_bits, to_bfloat16_bits
 from wanloom_trainer.data.prefetch import PlanPrefetcher
-from wanloom_trainer.data.prepare import PrepareConfig, prepare, scan_inputs
+from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare, scan_inputs
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.routing import Router, TimestepSampler
 
@@ -24,7 +24,7 @@ class SpyEncoders:
     """Wraps WanEncoders, records every output per caption order, and can fail after ``fail_after`` batches."""
 
     def __init__(self, root: Path, fail_after: int | None = None) -> None:
-        from wanloom_trainer.data.encoders import WanEncoders
+        from wanloom_trainer.data.prepare.encoders import WanEncoders
 
         self.inner = WanEncoders(root)
         self.latent_channels, self.text_dim, self.vae_stride = (
@@ -104,8 +104,8 @@ def test_round_trip_prepare_plan_load_returns_the_written_tensors(
 def test_latents_are_the_vae_posterior_mean_normalised(tmp_path: Path, media_set, tiny_model_root: Path) -> None:
     """An independent check of the encoder path: re-encode one image alone and compare with the stored latent."""
     from wanloom_trainer.data.bucketing import resize_crop
-    from wanloom_trainer.data.encoders import WanEncoders
-    from wanloom_trainer.data.media import load_image
+    from wanloom_trainer.data.prepare.encoders import WanEncoders
+    from wanloom_trainer.data.prepare.media import load_image
 
     result = prepare(_config(media_set.folder, str(tmp_path / "ds"), tiny_model_root), progress=False)
     enc = WanEncoders(tiny_model_root)
@@ -183,7 +183,7 @@ def test_encoders_that_do_not_fit_the_variant_are_refused(tmp_path: Path, media_
 
 
 def test_i2v_condition_is_mask_plus_first_frame_latents(tiny_model_root: Path) -> None:
-    from wanloom_trainer.data.encoders import WanEncoders
+    from wanloom_trainer.data.prepare.encoders import WanEncoders
 
     enc = WanEncoders(tiny_model_root)
     clips = np.random.default_rng(0).integers(0, 255, (1, 9, 32, 32, 3), dtype=np.uint8)

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+from wanloom_trainer.backends.objective import batch_noise
+from wanloom_trainer.backends.torch.backend import TorchBackend
 from wanloom_trainer.config.train_config import load_train_config
 from wanloom_trainer.config.variants import WanVariant
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-from wanloom_trainer.train.backend_torch import TorchBackend
-from wanloom_trainer.train.objective import batch_noise
 
 TEXT_LEN, TEXT_DIM, SEED = 16, 32, 0
 
@@ -129,7 +129,7 @@ def main() -> None:
     for step in range(first, args.steps):
         inputs = step_inputs(backend.config.model.wan, step, backend.dp_size)
         if step == args.crash_at:  # die mid-step, after one micro-batch's backward
-            from wanloom_trainer.train.step_torch import accumulate
+            from wanloom_trainer.backends.torch.step import accumulate
 
             accumulate(state.experts[inputs.slots[0].expert], inputs.slots[0].ranks[backend.dp_rank], backend.device,
                        torch.float32)  # fmt: skip

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from wanloom_api.trainingjob import OptimizerSpec
+from wanloom_trainer.backends.torch.step import flow_matching_loss, make_adamw
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.model.wan_torch import build_expert
-from wanloom_trainer.train.step_torch import flow_matching_loss, make_adamw
 
 
 def _status(key: str) -> int:

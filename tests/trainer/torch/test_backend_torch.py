@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-from wanloom_trainer.train.backend_torch import TorchBackend
-from wanloom_trainer.train.objective import batch_noise
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+from wanloom_trainer.backends.objective import batch_noise
+from wanloom_trainer.backends.torch.backend import TorchBackend
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

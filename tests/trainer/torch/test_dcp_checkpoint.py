@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+from wanloom_trainer.backends.objective import batch_noise
+from wanloom_trainer.backends.torch.backend import TorchBackend
 from wanloom_trainer.checkpoint.dcp_checkpoint import META_FILE, CheckpointStore, GcsLocation, step_dir_name
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-from wanloom_trainer.train.backend_torch import TorchBackend
-from wanloom_trainer.train.objective import batch_noise
 
 
 def _inputs(step: int, experts: tuple[int, ...]) -> StepInputs:

@@ -54,9 +54,9 @@ def test_a_bad_target_is_named(tiny) -> None:
 
 
 def test_only_adapters_train_and_the_base_stays_bit_for_bit(make_config) -> None:
-    from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-    from wanloom_trainer.train.backend_torch import TorchBackend
-    from wanloom_trainer.train.objective import batch_noise
+    from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+    from wanloom_trainer.backends.objective import batch_noise
+    from wanloom_trainer.backends.torch.backend import TorchBackend
 
     def slot(expert: int, ids: list[int]) -> Slot:
         rng = np.random.default_rng(ids)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from wanloom_trainer.backends.torch.step import flow_matching_loss
 from wanloom_trainer.config.environment import DistributedConfig
 from wanloom_trainer.config.train_config import ParallelConfig
 from wanloom_trainer.distributed_torch import init_process_group
@@ -18,7 +19,6 @@ from wanloom_trainer.parallel.mesh_torch import (
     build_torch_mesh,
     parallelize_wan,
 )
-from wanloom_trainer.train.step_torch import flow_matching_loss
 
 SINGLE = DistributedConfig(None, 1, 0, 1, 0, None)
 

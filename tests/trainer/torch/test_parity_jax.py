@@ -19,12 +19,12 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from wanloom_trainer.backends.jax import step as step_jax  # noqa: E402
+from wanloom_trainer.backends.objective import batch_noise  # noqa: E402
+from wanloom_trainer.backends.torch.step import flow_matching_loss  # noqa: E402
 from wanloom_trainer.model.load import diffusers_key, load_diffusers_transformer  # noqa: E402
 from wanloom_trainer.model.params import param_name  # noqa: E402
 from wanloom_trainer.model.wan_torch import build_expert  # noqa: E402
-from wanloom_trainer.train import step_jax  # noqa: E402
-from wanloom_trainer.train.objective import batch_noise  # noqa: E402
-from wanloom_trainer.train.step_torch import flow_matching_loss  # noqa: E402
 
 LOSS_TOL, GRAD_TOL = 2e-6, 2e-5
 LATENT = (3, 6, 10)

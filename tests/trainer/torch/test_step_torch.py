@@ -1,4 +1,4 @@
-"""train.step_torch: the loss against the shared numpy reference, dummy rows, eager AdamW, clipping."""
+"""backends.torch.step: the loss against the shared numpy reference, dummy rows, eager AdamW, clipping."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from wanloom_api.trainingjob import OptimizerSpec
+from wanloom_trainer.backends.interface import RankRows
+from wanloom_trainer.backends.objective import batch_noise, flow_matching_loss_np, noisy_latents_np
+from wanloom_trainer.backends.torch.step import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 from wanloom_trainer.model.wan_torch import build_expert
-from wanloom_trainer.train.backend import RankRows
-from wanloom_trainer.train.objective import batch_noise, flow_matching_loss_np, noisy_latents_np
-from wanloom_trainer.train.step_torch import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 
 OPT = OptimizerSpec.model_validate({"learningRate": 1e-3, "weightDecay": 0.01})
 
@@ -107,7 +107,7 @@ def test_clipping_scales_to_the_max_norm_and_reports_the_norm_before(tiny) -> No
 
 def test_image_to_video_rows_match_the_numpy_objective(tiny_ti2v) -> None:
     """TI2V: t per token (0 on the clean first frame of rows marked image-to-video), loss over the other frames."""
-    from wanloom_trainer.train.objective import frame_timesteps_np
+    from wanloom_trainer.backends.objective import frame_timesteps_np
 
     model = build_expert(tiny_ti2v, seed=0)
     rows = dataclasses.replace(

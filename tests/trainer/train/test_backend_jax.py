@@ -13,8 +13,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs  # noqa: E402
-from wanloom_trainer.train.objective import batch_noise  # noqa: E402
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs  # noqa: E402
+from wanloom_trainer.backends.objective import batch_noise  # noqa: E402
 
 SHAPE = (1, 8, 8)  # latent (T', H', W') of a 64x64 image: 16 tokens
 
@@ -57,7 +57,7 @@ def assert_trees_close(a: Any, b: Any, **tol: float) -> None:
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory, tiny: Any) -> Any:
-    from wanloom_trainer.train.backend_jax import JaxBackend
+    from wanloom_trainer.backends.jax.backend import JaxBackend
 
     workdir = tmp_path_factory.mktemp("backend")
     config = tiny.tiny_config(workdir, optimizer={"clipGradNorm": 1.0, "weightDecay": 0.01})

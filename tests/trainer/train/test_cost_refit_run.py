@@ -3,7 +3,7 @@ beats the model in use plans the steps after it, the checkpoint carries the deci
 checkpoint plans (and so trains) those steps exactly as the uninterrupted run did.
 
 A tiny model's slot times on a CPU are mostly per-call overhead, so whether a refit carries enough shape signal to
-pass its checks (``adaptiveload.refit.degenerate``) depends on the machine's timing noise: the tests hold whatever
+pass its checks (``adaptiveload.cost.refit.degenerate``) depends on the machine's timing noise: the tests hold whatever
 process 0 decided to the log it wrote (the acceptance rules themselves are tested on exact timings in
 tests/trainer/adaptiveload/test_refit.py)."""
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from wanloom_trainer.train.data_process import PLAN_DEPTH, STEPS_AHEAD
+from wanloom_trainer.feed.process import PLAN_DEPTH, STEPS_AHEAD
 from wanloom_trainer.train.run import run
 
 STEPS, EVERY = 30, 10

@@ -1,4 +1,4 @@
-"""The data process (train/data_process.py): planning and loading leave the training process, the steps and
+"""The data process (feed/process.py): planning and loading leave the training process, the steps and
 their rows arrive in order, and its errors, logs, skip counts and exit reach the trainer."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 from wanloom_trainer.data import TooManyBadSamples, ensure_synthetic, open_dataset
 from wanloom_trainer.data.prefetch import PlanPrefetcher
-from wanloom_trainer.train.data_process import DataProcess, Pipeline
-from wanloom_trainer.train.inputs import make_planner, step_rows
+from wanloom_trainer.feed.inputs import make_planner, step_rows
+from wanloom_trainer.feed.process import DataProcess, Pipeline
 from wanloom_trainer.train.run import run
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wanloom_trainer.train.objective import (
+from wanloom_trainer.backends.objective import (
     batch_noise,
     flow_matching_loss_np,
     noisy_latents_np,
@@ -50,7 +50,7 @@ def _fake_model(xp):
 def test_jax_loss_matches_the_numpy_reference() -> None:
     import jax.numpy as jnp
 
-    from wanloom_trainer.train.step_jax import flow_matching_loss
+    from wanloom_trainer.backends.jax.step import flow_matching_loss
 
     rng = np.random.default_rng(0)
     b = 5
@@ -72,7 +72,7 @@ def test_jax_loss_matches_the_numpy_reference() -> None:
 def test_zero_weight_rows_do_not_contribute() -> None:
     import jax.numpy as jnp
 
-    from wanloom_trainer.train.step_jax import flow_matching_loss
+    from wanloom_trainer.backends.jax.step import flow_matching_loss
 
     rng = np.random.default_rng(1)
     x0 = rng.standard_normal((3, *SHAPE)).astype(np.float32)
@@ -91,7 +91,7 @@ def test_zero_weight_rows_do_not_contribute() -> None:
 
 
 def test_clean_first_frames_are_a_pure_draw_that_skips_images_and_placeholders() -> None:
-    from wanloom_trainer.train.objective import clean_first_frames
+    from wanloom_trainer.backends.objective import clean_first_frames
 
     ids = list(range(4000))
     a = clean_first_frames(3, 5, ids, latent_frames=3, fraction=0.3)
@@ -125,8 +125,8 @@ def test_image_to_video_rows_keep_frame_zero_clean_and_out_of_the_loss() -> None
     """Rows 0 and 2 train image-to-video: σ = 0 and t = 0 on latent frame 0, loss over frames 1..T'-1."""
     import jax.numpy as jnp
 
-    from wanloom_trainer.train.objective import frame_timesteps_np
-    from wanloom_trainer.train.step_jax import flow_matching_loss
+    from wanloom_trainer.backends.jax.step import flow_matching_loss
+    from wanloom_trainer.backends.objective import frame_timesteps_np
 
     rng = np.random.default_rng(2)
     b, shape = 3, (4, 3, 8, 8)
@@ -158,7 +158,7 @@ def test_image_to_video_rows_keep_frame_zero_clean_and_out_of_the_loss() -> None
 def test_image_to_video_loss_ignores_the_prediction_on_the_clean_frame() -> None:
     import jax.numpy as jnp
 
-    from wanloom_trainer.train.step_jax import flow_matching_loss
+    from wanloom_trainer.backends.jax.step import flow_matching_loss
 
     rng = np.random.default_rng(3)
     b, shape = 2, (4, 2, 4, 4)
@@ -181,7 +181,7 @@ def test_image_to_video_loss_ignores_the_prediction_on_the_clean_frame() -> None
 
 
 def test_caption_dropout_is_a_pure_draw_that_skips_placeholders() -> None:
-    from wanloom_trainer.train.objective import caption_dropped
+    from wanloom_trainer.backends.objective import caption_dropped
 
     ids = np.arange(4000)
     dropped = caption_dropped(7, 3, ids, 0.1)
@@ -195,8 +195,8 @@ def test_caption_dropout_is_a_pure_draw_that_skips_placeholders() -> None:
 def test_dropped_rows_train_on_the_empty_prompt() -> None:
     from types import SimpleNamespace
 
-    from wanloom_trainer.train.inputs import rank_rows
-    from wanloom_trainer.train.objective import caption_dropped
+    from wanloom_trainer.backends.objective import caption_dropped
+    from wanloom_trainer.feed.inputs import rank_rows
 
     b, length, dim = 64, 5, 3
     rng = np.random.default_rng(0)

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from wanloom_trainer.backends.interface import RankRows
+from wanloom_trainer.backends.jax.step import flow_matching_loss, packed_flow_matching_loss
+from wanloom_trainer.backends.objective import batch_noise
+from wanloom_trainer.backends.packing import grid_positions, pack_rows, patchify
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.model.wan_jax import init_model
-from wanloom_trainer.train.backend import RankRows
-from wanloom_trainer.train.objective import batch_noise
-from wanloom_trainer.train.packing import grid_positions, pack_rows, patchify
-from wanloom_trainer.train.step_jax import flow_matching_loss, packed_flow_matching_loss
 
 # (latent T', H', W') of the samples: an image, clips of two sizes, another image; two rows of 64 tokens.
 SHAPES = [(1, 8, 8), (3, 4, 8), (2, 8, 4), (1, 4, 4), (5, 4, 4)]

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from wanloom_trainer.train.plan_ahead import CostSchedule, PlansAhead
+from wanloom_trainer.feed.plan_ahead import CostSchedule, PlansAhead
 
 
 def test_plans_arrive_in_order_and_end() -> None:

@@ -182,7 +182,7 @@ class _Reports:
 def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
     from types import SimpleNamespace
 
-    from wanloom_trainer.train.plan_ahead import CostSchedule
+    from wanloom_trainer.feed.plan_ahead import CostSchedule
     from wanloom_trainer.train.run import RunResult, _Loop
     from wanloom_trainer.train.schedule import Segment
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 
+from wanloom_trainer.backends.jax.step import flow_matching_loss  # noqa: E402
 from wanloom_trainer.config.variants import get_variant  # noqa: E402
 from wanloom_trainer.model.wan_jax import init_model  # noqa: E402
-from wanloom_trainer.train.step_jax import flow_matching_loss  # noqa: E402
 
 
 def _batch() -> dict[str, jax.Array]:

@@ -131,8 +131,8 @@ def test_steps_whose_samples_were_all_skipped_do_not_train_or_log(tmp_path: Path
 def test_skipped_rows_leave_the_loss_normaliser() -> None:
     import numpy as np
 
-    from wanloom_trainer.train.backend import RankRows, Slot
-    from wanloom_trainer.train.inputs import renormalised
+    from wanloom_trainer.backends.interface import RankRows, Slot
+    from wanloom_trainer.feed.inputs import renormalised
 
     planned, valid = 8, 6  # weights were 1/8; two rows lost their samples (weight 0)
     w = np.array([1 / planned] * 3 + [0.0], np.float32)
@@ -157,7 +157,7 @@ def test_an_accelerator_job_run_here_fails_at_once_with_what_to_do() -> None:
 
 
 def test_the_cpu_cost_model_states_an_fp32_rate() -> None:
-    from wanloom_trainer.adaptiveload.cost_source import analytic_cost
+    from wanloom_trainer.adaptiveload.cost.cost_source import analytic_cost
     from wanloom_trainer.config.variants import get_variant
 
     assert "(96 GFLOP/s fp32)" in analytic_cost(get_variant("tiny"), "cpu").description

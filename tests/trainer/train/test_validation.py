@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from wanloom_api.trainingjob import ValidationSpec
-from wanloom_trainer.train.holdout import held_out_ids
-from wanloom_trainer.train.validation import band_timesteps
+from wanloom_trainer.evaluation.validation import band_timesteps
+from wanloom_trainer.feed.holdout import held_out_ids
 
 ROOT = Path(__file__).resolve().parents[3]
 VALIDATION = {"everySteps": 2, "samples": 5, "timestepsPerExpert": 3, "videos": 2, "inferenceSteps": 4}
@@ -42,7 +42,7 @@ def test_hold_out_is_a_seeded_choice_and_leaves_samples_to_train_on() -> None:
 
 def test_the_planner_never_plans_a_held_out_sample(tiny: Any, tmp_path: Path) -> None:
     from wanloom_trainer.data import ensure_synthetic, open_dataset
-    from wanloom_trainer.train.inputs import make_planner
+    from wanloom_trainer.feed.inputs import make_planner
 
     config = tiny.tiny_config(tmp_path, validation=VALIDATION)
     ensure_synthetic(config.data, config.model.wan)
@@ -153,8 +153,8 @@ def test_spec_export_writes_the_final_model_when_the_run_completes(tiny: Any, tm
 @pytest.mark.slow
 def test_prompts_of_the_dataset_become_videos_too(tiny: Any, tmp_path: Path) -> None:
     from wanloom_trainer.data import ensure_synthetic, open_dataset
+    from wanloom_trainer.data.prepare.writer import DatasetWriter
     from wanloom_trainer.data.storage import open_storage
-    from wanloom_trainer.data.writer import DatasetWriter
 
     validation = {"everySteps": 2, "samples": 2, "videos": 0, "inferenceSteps": 2,
                   "promptSize": {"frames": 5, "height": 32, "width": 48}}  # fmt: skip

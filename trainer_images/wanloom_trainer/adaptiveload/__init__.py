@@ -1,22 +1,24 @@
 """AdaptiveLoad: cost-aware batch sizing and per-step balancing of mixed image/video training across ranks.
 
 Pure numpy/scipy (a shape benchmark on this machine runs the job's backend: ``train.bench_step``, imported lazily).
-One concept per module:
+The map, by stage (each stage imports only those above it in this list):
 
-- ``shape_index``: ``SampleShapes(ids, latent_shapes)``, the planner's view of a dataset.
-- ``tokens``, ``buckets``: sequence length per sample; shape buckets (configured or derived).
-- ``batch_size``: the paper's dual-constraint rule and the equal-token baseline.
-- ``cost_model``, ``shape_bench``, ``cost_source``, ``refit``: step-time models, their fit to timed real steps
-  and storage, which one a run uses, and its online refit from the run's own slot timings.
-- ``balance`` (per-rank totals: LPT + repair), ``lockstep`` (per-slot balance for FSDP), ``scheduler`` (which
-  samples make up a step), ``layout`` (micro-batches, padding, dummies), ``planner`` (``Planner``, ``plan_step``).
+- ``sizing/``: ``shape_index`` (``SampleShapes``, the planner's view of a dataset), ``tokens`` (sequence length per
+  latent shape), ``buckets`` (configured or derived), ``batch_size`` (the paper's dual-constraint rule, equal tokens).
+- ``cost/``: ``cost_model`` (step-time models), ``shape_bench`` (their fit to timed real steps, and storage),
+  ``cost_source`` (which one a run uses), ``refit`` (the online refit from the run's own slot timings).
 - ``plan``: the ``StepPlan``/``RankPlan``/``MicroBatch`` contract with the trainers and the loss normalisation.
-- ``metrics``, ``simulate``, ``compare``, ``report``: per-step metrics, a synthetic shape mix, the comparison with
-  the bucket sampler over one sample stream, ``wanloom plan``.
+- ``assignment/``: ``scheduler`` (the sample stream, bucket chunks), ``balance`` (per-rank totals), ``lockstep``
+  (per-slot balance for FSDP), ``packing`` (two-shape packed rows for SPMD), ``layout`` (rows → micro-batches, a
+  window's slots → steps).
+- ``planner``: ``Planner`` and ``plan_step``, composing the stages for a run.
+- ``comparison/``: ``compare`` (against the bucket sampler over one stream, and what the steps train), ``simulate``
+  (synthetic shape mixes), ``report`` (``wanloom plan``).
+- ``metrics``: per-step load metrics.
 """
 
 from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner, plan_step
-from wanloom_trainer.adaptiveload.shape_index import SampleShapes
+from wanloom_trainer.adaptiveload.sizing.shape_index import SampleShapes
 
 __all__ = ["MicroBatch", "PlanConfig", "Planner", "RankPlan", "SampleShapes", "StepPlan", "plan_step"]

@@ -17,7 +17,7 @@ Two layouts:
   ``latent_shape`` (zeros, or any sample of that shape), counted in ``predicted_cost``.
 - ``spmd`` (JAX): micro-batch k has the same ``latent_shape``, ``expert`` and row count on every rank; missing rows
   are duplicates of real samples with weight 0. With the balanced policy the SPMD micro-batches are **packed**
-  (``MicroBatch.packed``, ``adaptiveload.packing``): each rank runs one row of ``row_tokens`` tokens holding
+  (``MicroBatch.packed``, ``adaptiveload.assignment.packing``): each rank runs one row of ``row_tokens`` tokens holding
   samples of any shapes end to end; micro-batch k has the same ``PackedRow`` geometry (row tokens, segment slots,
   longest segment) on every rank, so it is still one SPMD program.
 
@@ -298,7 +298,7 @@ class LocalPlan:
         token_counts: (tokens, real samples) over all ranks (FLOPs and tokens/s).
         rank_costs: every rank's predicted busy time (the predicted-imbalance metrics).
         slot_work: per slot, the token counts of the samples in its predicted-heaviest cell, padding included
-            (``layout.critical_work``): what the slot's measured time is fitted against (``adaptiveload.refit``).
+            (``layout.critical_work``): what the slot's measured time is fitted against (``adaptiveload.cost.refit``).
         layout, policy: as in ``StepPlan``.
     """
 

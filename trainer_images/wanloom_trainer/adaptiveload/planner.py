@@ -22,7 +22,7 @@ Policies (``PlanConfig.policy``):
   per step (``scheduler.BucketChunks``), so the global sample count varies per step.
 - ``equal-tokens``: the same with ``B = ⌊M_mem/S⌋``.
 
-The comparison with the sampler users would otherwise run is ``adaptiveload.compare``.
+The comparison with the sampler users would otherwise run is ``adaptiveload.comparison.compare``.
 
 Routing draws timesteps and experts once for all samples of a window (``Router.draw(seed, first step, n)``); each
 micro-batch is then expert-homogeneous.
@@ -39,20 +39,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from wanloom_trainer.adaptiveload.balance import balance
-from wanloom_trainer.adaptiveload.batch_size import (
-    default_compute_budget,
-    equal_token_batch_sizes,
-    paper_batch_sizes,
-)
-from wanloom_trainer.adaptiveload.buckets import (
-    BucketTable,
-    cut_to_token_multiple,
-    derive_buckets,
-    require_token_multiple,
-)
-from wanloom_trainer.adaptiveload.cost_model import CostModel, effective_exponent
-from wanloom_trainer.adaptiveload.layout import (
+from wanloom_trainer.adaptiveload.assignment.balance import balance
+from wanloom_trainer.adaptiveload.assignment.layout import (
     Assignment,
     BucketFacts,
     StepItems,
@@ -64,12 +52,24 @@ from wanloom_trainer.adaptiveload.layout import (
     slots_by_group,
     spmd_assignment,
 )
-from wanloom_trainer.adaptiveload.lockstep import lockstep_assign
-from wanloom_trainer.adaptiveload.packing import RowShapes, packed_assignment, row_shapes
+from wanloom_trainer.adaptiveload.assignment.lockstep import lockstep_assign
+from wanloom_trainer.adaptiveload.assignment.packing import RowShapes, packed_assignment, row_shapes
+from wanloom_trainer.adaptiveload.assignment.scheduler import BucketChunks, SampleStream
+from wanloom_trainer.adaptiveload.cost.cost_model import CostModel, effective_exponent
 from wanloom_trainer.adaptiveload.plan import LAYOUTS, POLICIES, LocalPlan, StepPlan
-from wanloom_trainer.adaptiveload.scheduler import BucketChunks, SampleStream
-from wanloom_trainer.adaptiveload.shape_index import SampleShapes
-from wanloom_trainer.adaptiveload.tokens import tokens_for_latents
+from wanloom_trainer.adaptiveload.sizing.batch_size import (
+    default_compute_budget,
+    equal_token_batch_sizes,
+    paper_batch_sizes,
+)
+from wanloom_trainer.adaptiveload.sizing.buckets import (
+    BucketTable,
+    cut_to_token_multiple,
+    derive_buckets,
+    require_token_multiple,
+)
+from wanloom_trainer.adaptiveload.sizing.shape_index import SampleShapes
+from wanloom_trainer.adaptiveload.sizing.tokens import tokens_for_latents
 from wanloom_trainer.config.variants import WanVariant
 from wanloom_trainer.kernels.adaln_shapes import max_packed_segments
 
@@ -321,7 +321,10 @@ class Planner:
                 min_slots=(min_slots[0], min_slots[1]),
             )  # fmt: skip
         elif cfg.sync == "micro-batch":
-            cap = np.minimum(facts.cap, max(1, batch // (4 * cfg.num_ranks))) if per_sample else facts.cap
+            cap = facts.cap
+            if per_sample:  # slots small enough to deal, and each bucket in enough of them to reach every step
+                spread = np.bincount(items.bucket, minlength=len(cap)) // (cfg.num_ranks * steps)
+                cap = np.clip(spread, 1, np.minimum(cap, max(1, batch // (4 * cfg.num_ranks))))
             owner, slot = lockstep_assign(
                 items.bucket, items.expert, facts.cost, cap, cfg.num_ranks, facts.overhead, min_slots=min_slots
             )

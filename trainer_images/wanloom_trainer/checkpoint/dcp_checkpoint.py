@@ -12,7 +12,7 @@ Atomicity: on a path, ranks write into ``.step_<n>.tmp`` which rank 0 renames on
 uploads ``meta.json`` after a barrier. A checkpoint without ``meta.json`` is ignored by ``latest_step`` and
 overwritten by the next save. Restoring from ``gs://`` downloads the checkpoint into each rank's staging folder.
 
-Optimizer states are created eagerly by ``train.step_torch.make_adamw``: DCP's ``get_optimizer_state_dict`` would
+Optimizer states are created eagerly by ``backends.torch.step.make_adamw``: DCP's ``get_optimizer_state_dict`` would
 otherwise step an empty optimizer to create its state.
 """
 

@@ -136,9 +136,9 @@ class TrainConfig:
     steps: int
     global_batch: int
     seed: int
-    # Share of video samples a unified TI2V model trains as image-to-video (train.objective); 0 otherwise.
+    # Share of video samples a unified TI2V model trains as image-to-video (backends.objective); 0 otherwise.
     image_to_video_fraction: float
-    # Share of samples trained on the dataset's empty-prompt embedding (train.objective.caption_dropped).
+    # Share of samples trained on the dataset's empty-prompt embedding (backends.objective.caption_dropped).
     caption_dropout: float
     log_every: int
     metrics_port: int  # 0 disables the exporter

@@ -14,9 +14,9 @@ The format is documented in docs/data-format.md.
 
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
 from wanloom_trainer.data.prefetch import LoadedMicroBatch, PlanPrefetcher, StepData
+from wanloom_trainer.data.prepare.synth import ensure_synthetic, write_synthetic
 from wanloom_trainer.data.reader import LatentBatch, LatentDataset, open_dataset, read_index
 from wanloom_trainer.data.skips import TooManyBadSamples
-from wanloom_trainer.data.synth import ensure_synthetic, write_synthetic
 
 __all__ = [
     "DatasetHeader",

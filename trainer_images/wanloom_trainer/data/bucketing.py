@@ -1,6 +1,6 @@
 """Pixel buckets for ``wanloom data prepare``: which (frames, height, width) a source becomes, and the resize/crop.
 
-The choice follows the same order as the planner's latent buckets (``adaptiveload.buckets``), in pixels:
+The choice follows the same order as the planner's latent buckets (``adaptiveload.sizing.buckets``), in pixels:
 
 1. frames: images go to image buckets (frames = 1); clips to the clip bucket with the most frames they can fill;
 2. aspect: the closest aspect ratio (the excess is centre-cropped);

@@ -112,7 +112,7 @@ class ShapeIndex:
 
     def sample_shapes(self) -> Any:
         """The planner's input: ``adaptiveload.SampleShapes(ids=0..n-1, latent_shapes=[n, 3])``."""
-        from wanloom_trainer.adaptiveload.shape_index import SampleShapes
+        from wanloom_trainer.adaptiveload.sizing.shape_index import SampleShapes
 
         return SampleShapes(np.arange(self.num_samples, dtype=np.int64), self.latent_shapes)
 

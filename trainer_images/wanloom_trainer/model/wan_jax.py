@@ -410,7 +410,7 @@ class WanTransformer3DModel(nnx.Module):
 
         Args:
             patches_bnqc: [B, N, Q, C_in] each token's latent patch, Q = pt·ph·pw positions in (pt, ph, pw) order
-                (``train.packing.patchify``); the patch embedding is the convolution's kernel as one matmul.
+                (``backends.packing.patchify``); the patch embedding is the convolution's kernel as one matmul.
             positions_bn3: int32 [B, N, 3] the token's (t, h, w) in its own segment's grid (3-D RoPE).
             segment_ids_bn: int32 [B, N] non-decreasing; G segments per row, padding one of them.
             timestep: float [B, G] one per segment, or with ``per_token`` [B, N] (TI2V's clean first frames).

@@ -1,7 +1,7 @@
 """Latents → pixels → files: the Wan VAE decode (diffusers ``AutoencoderKLWan``, PyTorch), mp4 clips (PyAV) and a
 contact-sheet PNG (one row per sample, frames evenly spaced).
 
-Latents are the normalised ones the transformer sees (``data.encoders``: z = (μ − mean) / std), so decoding
+Latents are the normalised ones the transformer sees (``data.prepare.encoders``: z = (μ − mean) / std), so decoding
 first undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae``
 builds a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of
 the right shape (enough to exercise the path, not to look at).

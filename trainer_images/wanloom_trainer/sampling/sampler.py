@@ -1,7 +1,7 @@
 """Flow-matching sampling with both experts: UniPC (as Wan 2.2's release and diffusers' Wan pipelines sample) or
 Euler, the expert switched at the routing boundary, classifier-free guidance per expert.
 
-The model predicts the velocity v = ε − x0 of x_σ = (1 − σ)·x0 + σ·ε (``train.objective``); the model sees
+The model predicts the velocity v = ε − x0 of x_σ = (1 − σ)·x0 + σ·ε (``backends.objective``); the model sees
 t = 1000·σ, and t ≥ 1000·boundary goes to the high-noise expert (0), lower t to the low-noise one (1). Guidance
 mixes the two halves of one batch: v = v_neg + g_expert·(v_cond − v_neg), the negative half on the negative
 prompt's embedding (the empty prompt by default, as in the pipelines); an expert whose guidance is 1 runs the

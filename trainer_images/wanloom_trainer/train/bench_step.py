@@ -1,7 +1,7 @@
 """The shape benchmark's step: one optimizer step of the job's own backend on synthetic rows.
 
 ``wanloom plan --bench`` times this over a grid of (B, latent shape) (``measure_shape_bench``; the grid and the fit
-are ``adaptiveload.shape_bench``'s) and hands AdaptiveLoad the timing points to fit its cost model. It runs what
+are ``adaptiveload.cost.shape_bench``'s) and hands AdaptiveLoad the timing points to fit its cost model. It runs what
 the trainer runs — the job's mesh and sharding (FSDP2 / the SPMD program), kernels, attention, remat, precision and
 AdamW update — so the fitted costs include the collectives and the kernels' real
 speed; an unsharded model on one device would leave both out. Every data-parallel rank this process feeds gets
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from wanloom_trainer.adaptiveload.buckets import derive_buckets
-from wanloom_trainer.adaptiveload.shape_bench import BenchPoint, run_shape_bench, shape_grid
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
+from wanloom_trainer.adaptiveload.cost.shape_bench import BenchPoint, run_shape_bench, shape_grid
+from wanloom_trainer.adaptiveload.sizing.buckets import derive_buckets
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
 
 
 def synthetic_rows(variant: Any, batch: int, latent_shape: tuple[int, int, int], weight: float, seed: int) -> RankRows:

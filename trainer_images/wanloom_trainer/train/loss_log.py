@@ -24,7 +24,7 @@ from wanloom_trainer.metrics.records import StepLog
 
 @dataclass(frozen=True)
 class ValidationRecord:
-    """The held-out loss per expert name after ``step`` steps (``train.validation``), and its wall time."""
+    """The held-out loss per expert name after ``step`` steps (``evaluation.validation``), and its wall time."""
 
     step: int
     losses: dict[str, float]

@@ -15,10 +15,10 @@ from typing import Any
 
 from wanloom_api.metrics import EXPERT_LABELS
 from wanloom_trainer import flops
+from wanloom_trainer.backends.interface import StepOutputs
 from wanloom_trainer.config.train_config import TrainConfig
 from wanloom_trainer.metrics.records import StepLog, StepRecord
 from wanloom_trainer.tracking import open_trackers
-from wanloom_trainer.train.backend import StepOutputs
 from wanloom_trainer.train.loss_log import LossLog, ValidationRecord
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Reporter:
                 videos = {f"samples/{Path(n).stem}": f for n, f in files.items() if n.endswith(".mp4")}
                 self.trackers.media(result.step - 1, images, videos)
         if samples is not None:
-            from wanloom_trainer.train.samples import cleanup
+            from wanloom_trainer.evaluation.samples import cleanup
 
             cleanup(samples)
         losses = ", ".join(f"{name} {v:.4f}" for name, v in by_name.items())

@@ -26,23 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wanloom_trainer.adaptiveload.refit import OnlineRefit, decode_model, encode_model
+from wanloom_trainer.adaptiveload.cost.refit import OnlineRefit, decode_model, encode_model
+from wanloom_trainer.backends.interface import Backend, StepInputs
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.evaluation.validation import Validator
+from wanloom_trainer.feed.inputs import make_planner, renormalised, step_slots
+from wanloom_trainer.feed.plan_ahead import CostSchedule
+from wanloom_trainer.feed.process import PLAN_DEPTH, STEPS_AHEAD, DataProcess, Pipeline
 from wanloom_trainer.metrics.records import StepLog
-from wanloom_trainer.train.backend import Backend, StepInputs
-from wanloom_trainer.train.data_process import PLAN_DEPTH, STEPS_AHEAD, DataProcess, Pipeline
-from wanloom_trainer.train.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log, read_validation
-from wanloom_trainer.train.plan_ahead import CostSchedule
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
 from wanloom_trainer.train.schedule import Segment, expert_lr_scales, learning_rates, resumed_segment
-from wanloom_trainer.train.validation import Validator
 
 if TYPE_CHECKING:
     from wanloom_trainer.adaptiveload.plan import LocalPlan
     from wanloom_trainer.adaptiveload.planner import Planner
+    from wanloom_trainer.backends.interface import StepOutputs
     from wanloom_trainer.data.reader import LatentDataset
-    from wanloom_trainer.train.backend import StepOutputs
 
 log = logging.getLogger(__name__)
 LAYOUTS = {"jax": "spmd", "torch": "per-rank"}  # JAX runs one SPMD program; torch ranks run their own shapes
@@ -103,10 +103,10 @@ def predicted_busy(plan: LocalPlan) -> float:
 
 def make_backend(config: TrainConfig) -> Backend:
     if config.backend == "torch":
-        from wanloom_trainer.train.backend_torch import TorchBackend
+        from wanloom_trainer.backends.torch.backend import TorchBackend
 
         return TorchBackend(config)
-    from wanloom_trainer.train.backend_jax import JaxBackend
+    from wanloom_trainer.backends.jax.backend import JaxBackend
 
     return JaxBackend(config)
 
@@ -221,7 +221,7 @@ class _Loop:
         self.validator: Validator | None = None
 
     def run(self, state: Any, start: int, meta: dict[str, Any]) -> Any:
-        from wanloom_trainer.adaptiveload.cost_model import cost_model_from_dict
+        from wanloom_trainer.adaptiveload.cost.cost_model import cost_model_from_dict
 
         self.lr_segment = self._lr_segment(meta, start)
         changes = meta.get("cost_models", [])
@@ -229,7 +229,7 @@ class _Loop:
         self.schedule = CostSchedule(
             self.planner.cost_model, start=start, lag=self.refit_lag, changes=restored, window=self.planner.window_steps
         )
-        # Planning, loading and row building run in a process of their own (train/data_process.py).
+        # Planning, loading and row building run in a process of their own (feed/process.py).
         metrics = self.reporter.metrics
         pipeline = Pipeline(self.config, self.ranks, start, LAYOUTS[self.backend.name], self.refit_lag, changes,
                             meta.get("data", {}))  # fmt: skip

@@ -17,8 +17,8 @@ from pathlib import Path
 import jax
 from tiny_job import tiny_config
 
+from wanloom_trainer.backends.jax.backend import JaxBackend
 from wanloom_trainer.distributed_jax import prepare_platform
-from wanloom_trainer.train.backend_jax import JaxBackend
 from wanloom_trainer.train.loss_log import read_log
 from wanloom_trainer.train.run import run
 

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from tiny_job import tiny_config
 
+from wanloom_trainer.backends.interface import RankRows, Slot, StepInputs
+from wanloom_trainer.backends.jax.backend import JaxBackend
+from wanloom_trainer.backends.objective import batch_noise
 from wanloom_trainer.config.train_config import ParallelConfig
-from wanloom_trainer.train.backend import RankRows, Slot, StepInputs
-from wanloom_trainer.train.backend_jax import JaxBackend
-from wanloom_trainer.train.objective import batch_noise
 
 # name: (mesh degrees, AdaLN kernel); context meshes last: they switch the process to GSPMD. The fused AdaLN is the
 # Pallas kernel inside shard_map (interpreted on CPU), compared with the single-device run of the plain jnp chain.

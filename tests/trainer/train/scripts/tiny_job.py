@@ -45,7 +45,7 @@ def corrupt_sample_of_rank(job: TrainingJob, data_dir: str | Path, rank: int, ru
     from wanloom_api.validation import with_spec
     from wanloom_trainer.data import ensure_synthetic
     from wanloom_trainer.data.reader import read_index
-    from wanloom_trainer.train.inputs import make_planner
+    from wanloom_trainer.feed.inputs import make_planner
 
     data_dir = Path(data_dir)
     job = with_spec(job, "a local copy of the job's data", data={"uri": str(data_dir)})

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from tiny_job import tiny_config
 
+from wanloom_trainer.backends.jax.backend import JaxBackend
 from wanloom_trainer.config.train_config import ParallelConfig
-from wanloom_trainer.train.backend_jax import JaxBackend
 
 # name: (topology, slices, data, fsdp, context, tensor)
 CASES = {

@@ -1,0 +1,119 @@
+"""`wanloom data prepare` and `wanloom data synth`: build training datasets (format: docs/data-format.md).
+
+The trainer package (numpy, and torch/diffusers for `prepare`) is imported inside the commands, so the rest of
+the CLI starts without it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+data_app = typer.Typer(
+    name="data", help="Build training datasets: encode media (prepare) or synthesise latents (synth)."
+)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(1)
+
+
+def _summary(index: Any, where: str) -> None:
+    shapes = Counter(tuple(s) for s in index.latent_shapes.tolist())
+    typer.echo(f"wrote {index.num_samples} samples in {len(index.shards)} shard(s) to {where}")
+    for shape, n in sorted(shapes.items()):
+        typer.echo(f"  latent {shape[0]}x{shape[1]}x{shape[2]}: {n}")
+
+
+def prepare(
+    inputs: Annotated[Path, typer.Argument(help="Folder of images/videos, each with a same-stem .txt caption.")],
+    output: Annotated[str, typer.Argument(help="Dataset root: a path or gs://bucket/prefix.")],
+    model: Annotated[Path, typer.Option(help="Diffusers-layout model root with vae/, text_encoder/, tokenizer/.")],
+    bucket: Annotated[
+        list[str], typer.Option(help="Pixel bucket FRAMESxHEIGHTxWIDTH (repeat), e.g. 1x480x832, 81x480x832.")
+    ],
+    variant: Annotated[str, typer.Option(help="Wan variant the latents are for.")] = "wan2.2-t2v-a14b",
+    fps: Annotated[float, typer.Option(help="Frame rate clips are resampled to.")] = 16.0,
+    batch_size: Annotated[int, typer.Option(help="Sources per encoder call.")] = 4,
+    samples_per_shard: Annotated[int, typer.Option(help="Sources per shard (the unit of resumption).")] = 256,
+    dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16, float16 or float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="Torch device for the encoders.")] = "cpu",
+    encoder_dtype: Annotated[str, typer.Option(help="Encoder dtype: float32 or bfloat16.")] = "float32",
+    prompts: Annotated[
+        Path | None, typer.Option(help="Text file of validation prompts (one per line) to encode with the dataset.")
+    ] = None,
+    negative_prompt: Annotated[
+        str | None,
+        typer.Option(help="Text validation videos are guided away from (spec.validation.negativePrompt)."),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Encode captioned media with the Wan VAE and umT5 into latent shards + index; re-run to resume."""
+    from wanloom_trainer.data.bucketing import parse_bucket
+    from wanloom_trainer.data.prepare.pipeline import PrepareConfig
+    from wanloom_trainer.data.prepare.pipeline import prepare as run_prepare
+
+    try:
+        config = PrepareConfig(
+            inputs=inputs,
+            output=output,
+            model=model,
+            variant=variant,
+            buckets=tuple(parse_bucket(b) for b in bucket),
+            fps=fps,
+            batch_size=batch_size,
+            samples_per_shard=samples_per_shard,
+            dtype=dtype,
+            device=device,
+            encoder_dtype=encoder_dtype,
+            prompts=prompts,
+            negative_prompt=negative_prompt,
+        )
+        result = run_prepare(config, progress=progress)
+    except (ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+    _summary(result.index, output)
+    for skip in result.skipped:
+        typer.echo(f"  skipped {skip['source']}: {skip['reason']}")
+
+
+def synth(
+    output: Annotated[str, typer.Argument(help="Dataset root: a path or gs://bucket/prefix.")],
+    variant: Annotated[str, typer.Option(help="Wan variant whose shapes the latents take.")] = "tiny",
+    samples: Annotated[int, typer.Option(help="Number of samples.")] = 64,
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
+    mixture: Annotated[
+        str | None, typer.Option(help="Shape mixture FxHxW:weight,... in pixels; default per variant.")
+    ] = None,
+    samples_per_shard: Annotated[int | None, typer.Option(help="Samples per shard; default ~512 MB shards.")] = None,
+    dtype: Annotated[str, typer.Option(help="Storage dtype: float32, float16 or bfloat16.")] = "float32",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Write a synthetic latent dataset (learnable patterns, mixed shapes) in the training format."""
+    from wanloom_trainer.config.variants import get_variant
+    from wanloom_trainer.data.prepare.synth import parse_mixture, write_synthetic
+
+    try:
+        index = write_synthetic(
+            output,
+            get_variant(variant),
+            samples,
+            seed,
+            parse_mixture(mixture) if mixture else None,
+            samples_per_shard=samples_per_shard,
+            dtype=dtype,
+            progress=progress,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+    _summary(index, output)
+
+
+def register(app: typer.Typer) -> None:
+    data_app.command()(prepare)
+    data_app.command()(synth)
+    app.add_typer(data_app)

@@ -1,0 +1,1 @@
+"""Shapes and sizes: buckets, tokens per latent shape, the sample shape index and the per-bucket batch sizes."""

@@ -1,0 +1,1 @@
+"""The JAX backend: ``backend.JaxBackend``, its step functions and its AOT compiler."""

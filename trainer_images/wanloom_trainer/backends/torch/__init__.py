@@ -1,0 +1,1 @@
+"""The PyTorch backend: ``backend.TorchBackend``, its step functions and its AOT checks."""

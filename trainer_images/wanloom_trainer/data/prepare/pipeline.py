@@ -1,0 +1,248 @@
+"""``wanloom data prepare``: a folder of captioned videos and images → latent shards + shape index.
+
+Inputs: every image (png/jpg/webp/bmp) and video (mp4/mov/webm/mkv/avi/m4v) under the folder, each with a caption
+in a sidecar text file of the same stem (``clip.mp4`` + ``clip.txt``). The sorted input list is cut into shards
+of ``samples_per_shard``; each shard decodes its sources, resizes/crops them into their bucket (bucketing.py),
+encodes them in batches of one bucket with the Wan VAE and the umT5 text encoder (encoders.py) and is written
+as a unit (writer.py). Re-running the same command after an interruption skips finished shards. Sources that
+cannot be decoded or fit no bucket are skipped and listed in the shard manifests, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wanloom_trainer.config.variants import WanVariant, get_variant
+from wanloom_trainer.data.bucketing import Bucket, choose_bucket, resize_crop, validate_buckets
+from wanloom_trainer.data.format import STORAGE_DTYPES, EncodedSample
+from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
+from wanloom_trainer.data.prepare.media import MediaError, load_media, media_kind
+from wanloom_trainer.data.prepare.writer import DatasetWriter
+from wanloom_trainer.data.storage import open_storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Settings of one ``prepare`` run; every field except ``device``/``encoder_dtype`` is part of the build record.
+
+    Attributes:
+        inputs: folder of media with sidecar ``.txt`` captions.
+        output: dataset root (path or gs://).
+        model: diffusers-layout root with vae/, text_encoder/, tokenizer/.
+        variant: the Wan variant the latents are for (channels, strides, text length, I2V condition).
+        buckets: pixel buckets (frames, height, width).
+        fps: training frame rate clips are resampled to.
+        batch_size: sources per VAE/text-encoder call.
+        samples_per_shard: sources per shard (the resume unit).
+        dtype: storage dtype of the tensors.
+        prompts: optional text file, one validation prompt per line, encoded into ``prompts.npz``.
+        negative_prompt: optional text validation videos are guided away from, encoded into
+            ``negative_prompt.npy`` (``spec.validation.negativePrompt``).
+    """
+
+    inputs: Path
+    output: str
+    model: Path
+    variant: str
+    buckets: tuple[Bucket, ...]
+    fps: float = 16.0
+    batch_size: int = 4
+    samples_per_shard: int = 256
+    dtype: str = "bfloat16"
+    prompts: Path | None = field(default=None, compare=False)
+    negative_prompt: str | None = field(default=None, compare=False)
+    device: str = field(default="cpu", compare=False)
+    encoder_dtype: str = field(default="float32", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.fps <= 0 or self.batch_size < 1 or self.samples_per_shard < 1:
+            raise ValueError("fps must be > 0, batch_size and samples_per_shard >= 1")
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    ordinal: int  # position in the sorted input list: the sample key and the shard are derived from it
+    path: Path
+    source: str  # path relative to the input folder, POSIX style
+    caption: str
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    index: ShapeIndex
+    skipped: list[dict[str, str]]
+
+
+def scan_inputs(folder: Path) -> list[MediaItem]:
+    """Media under ``folder`` in sorted order with their captions; missing or empty captions are an error."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"input folder {folder} does not exist")
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and media_kind(p) is not None)
+    if not paths:
+        raise ValueError(f"{folder} holds no images or videos")
+    items, missing = [], []
+    for i, path in enumerate(paths):
+        caption_file = path.with_suffix(".txt")
+        caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
+        if not caption:
+            missing.append(str(caption_file))
+        items.append(MediaItem(i, path, path.relative_to(folder).as_posix(), caption))
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise ValueError(f"{len(missing)} sources have no caption (write a non-empty sidecar file): {shown}")
+    return items
+
+
+def _digest(items: list[MediaItem]) -> str:
+    h = hashlib.sha256()
+    for it in items:
+        h.update(f"{it.source}\0{it.caption}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _header(config: PrepareConfig, variant: WanVariant, items: list[MediaItem]) -> DatasetHeader:
+    return DatasetHeader.for_variant(
+        variant,
+        dtype=config.dtype,
+        source="prepare",
+        build={
+            "inputs": len(items),
+            "inputs_digest": _digest(items),
+            "buckets": [str(b) for b in config.buckets],
+            "fps": config.fps,
+            "samples_per_shard": config.samples_per_shard,
+            "model": str(config.model),
+        },
+    )
+
+
+def prepare(config: PrepareConfig, *, progress: bool = True, encoders: Any = None) -> PrepareResult:
+    """Run (or resume) a prepare; ``encoders`` overrides loading ``WanEncoders`` from ``config.model``."""
+    variant = get_variant(config.variant)
+    validate_buckets(config.buckets, variant)
+    items = scan_inputs(config.inputs)
+    per = config.samples_per_shard
+    writer = DatasetWriter(open_storage(config.output), _header(config, variant, items), -(-len(items) // per))
+    todo = writer.start()
+    if todo:
+        encoders = encoders or _load_encoders(config, variant)
+        bar = _progress(len(items), len(items) - sum(len(items[k * per : (k + 1) * per]) for k in todo), progress)
+        for k in todo:
+            shard_items = items[k * per : (k + 1) * per]
+            skipped: list[dict[str, str]] = []
+            samples = _encode_shard(shard_items, config, variant, encoders, skipped, bar)
+            writer.write_shard(k, samples, skipped)
+        bar.close()
+    if not writer.has_empty_prompt():  # encoded as the Wan pipelines encode "" (caption dropout trains on it)
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
+    if config.prompts is not None:
+        prompts = read_prompts(config.prompts)
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_prompts(prompts, encoders.encode_text(prompts, variant.text_len))
+    if config.negative_prompt:
+        encoders = encoders or _load_encoders(config, variant)
+        writer.write_negative_prompt(encoders.encode_text([config.negative_prompt], variant.text_len)[0])
+    return PrepareResult(writer.finalize(), writer.skipped())
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The non-empty lines of a prompts file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts {path}: no such file")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it (one per line)")
+    return prompts
+
+
+def _load_encoders(config: PrepareConfig, variant: WanVariant) -> Any:
+    from wanloom_trainer.data.prepare.encoders import WanEncoders
+
+    enc = WanEncoders(config.model, config.device, config.encoder_dtype)
+    check_encoders(enc, variant)
+    return enc
+
+
+def check_encoders(enc: Any, variant: WanVariant) -> None:
+    """The encoders must produce what ``variant`` consumes; errors name the mismatch."""
+    if enc.latent_channels != variant.out_channels:
+        raise ValueError(
+            f"the VAE makes {enc.latent_channels} latent channels; {variant.name} needs {variant.out_channels}"
+        )
+    if tuple(enc.vae_stride) != tuple(variant.vae_stride):
+        raise ValueError(f"the VAE's stride {enc.vae_stride} differs from {variant.name}'s {variant.vae_stride}")
+    if variant.condition_channels and variant.condition_channels != 4 + enc.latent_channels:
+        raise ValueError(
+            f"{variant.name} expects {variant.condition_channels} condition channels, not 4 mask + C latent"
+        )
+    if enc.text_dim != variant.text_dim:
+        raise ValueError(f"the text encoder's width is {enc.text_dim}; {variant.name} needs {variant.text_dim}")
+
+
+def _progress(total: int, done: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="source", desc="prepare", disable=not enabled)
+
+
+def _encode_shard(
+    items: list[MediaItem], config: PrepareConfig, variant: WanVariant, enc: Any, skipped: list, bar: Any
+) -> Iterator[EncodedSample]:
+    """Decode, bucket and encode a shard's sources, yielding samples batch by batch (bounded memory)."""
+    max_frames = max(b.frames for b in config.buckets)
+    pending: dict[Bucket, list[tuple[MediaItem, np.ndarray, float]]] = {}
+    for item in items:
+        bar.update(1)
+        try:
+            clip = load_media(item.path, config.fps, max_frames)
+        except MediaError as exc:
+            log.warning("skipping %s: %s", item.source, exc)
+            skipped.append({"source": item.source, "reason": f"undecodable: {exc}"})
+            continue
+        _, h, w, _ = clip.frames.shape
+        bucket = choose_bucket(config.buckets, len(clip.frames), h, w, clip.is_image)
+        if bucket is None:
+            reason = f"fits no bucket ({len(clip.frames)} frames at {config.fps:g} fps, {h}x{w})"
+            log.warning("skipping %s: %s", item.source, reason)
+            skipped.append({"source": item.source, "reason": reason})
+            continue
+        pixels = resize_crop(clip.frames[: bucket.frames], bucket.height, bucket.width)
+        pending.setdefault(bucket, []).append((item, pixels, clip.fps))
+        if len(pending[bucket]) == config.batch_size:
+            yield from _encode_batch(bucket, pending.pop(bucket), variant, enc)
+    for bucket in sorted(pending):
+        yield from _encode_batch(bucket, pending[bucket], variant, enc)
+
+
+def _encode_batch(
+    bucket: Bucket, batch: list[tuple[MediaItem, np.ndarray, float]], variant: WanVariant, enc: Any
+) -> Iterator[EncodedSample]:
+    clips = np.stack([pixels for _, pixels, _ in batch])
+    latents = enc.encode_pixels(clips)
+    texts = enc.encode_text([item.caption for item, _, _ in batch], variant.text_len)
+    conditions = enc.encode_condition(clips) if variant.condition_channels else [None] * len(batch)
+    for (item, _, fps), z, text, cond in zip(batch, latents, texts, conditions, strict=True):
+        yield EncodedSample(
+            key=f"s{item.ordinal:09d}",
+            latents=z,
+            text=text,
+            condition=cond,
+            source=item.source,
+            frames=bucket.frames,
+            height=bucket.height,
+            width=bucket.width,
+            fps=fps,
+            caption=item.caption,
+        )
