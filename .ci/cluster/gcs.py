@@ -1,8 +1,9 @@
 """A GCS emulator (gcp-storage-emulator, in memory) that behaves as GCS does where our clients depend on it.
 
-- Downloads carry ``x-goog-generation`` and media uploads with ``ifGenerationMatch`` get 412 on a mismatch (0: the
-  object must not exist). tensorstore reads the generation back as an OCDBT manifest's and writes the next manifest
-  on condition of it; without them a checkpoint now and then failed with "Malformed StorageGeneration".
+- Downloads carry ``x-goog-generation`` and media and multipart uploads with ``ifGenerationMatch`` get 412 on a
+  mismatch (0: the object must not exist). tensorstore reads the generation back as an OCDBT manifest's and writes
+  the next manifest on condition of it; without them a checkpoint now and then failed with "Malformed
+  StorageGeneration".
 - Every bucket a request names exists (made on first use), so a TrainingJob can name any bucket, as a real
   project's buckets exist before a job runs.
 
@@ -42,6 +43,8 @@ def patch() -> None:
 
     def insert_if_generation_matches(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
         expected, name = request.query.get("ifGenerationMatch"), request.query.get("name")
+        if expected and not name and request.query.get("uploadType") == ["multipart"]:
+            name = [request.data["meta"].get("name")]  # a multipart upload names its object in its metadata part
         if expected and name and generation(storage, request.params["bucket_name"], name[0]) != expected[0]:
             response.status = HTTPStatus.PRECONDITION_FAILED
             return None

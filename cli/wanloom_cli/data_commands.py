@@ -30,7 +30,13 @@ def _summary(index: Any, where: str) -> None:
 
 
 def prepare(
-    inputs: Annotated[Path, typer.Argument(help="Folder of images/videos, each with a same-stem .txt caption.")],
+    inputs: Annotated[
+        str,
+        typer.Argument(
+            help="A manifest (.jsonl, .csv or .parquet: path, caption or caption_path, optional start/end/id), or a "
+            "folder or gs:// prefix of images/videos each with a same-stem .txt caption."
+        ),
+    ],
     output: Annotated[str, typer.Argument(help="Dataset root: a path or gs://bucket/prefix.")],
     model: Annotated[Path, typer.Option(help="Diffusers-layout model root with vae/, text_encoder/, tokenizer/.")],
     bucket: Annotated[
@@ -51,6 +57,14 @@ def prepare(
         typer.Option(help="Text validation videos are guided away from (spec.validation.negativePrompt)."),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    work_unit: Annotated[
+        list[int] | None,
+        typer.Option(help="Only this work unit (a shard of samples-per-shard inputs; repeat): one worker of many."),
+    ] = None,
+    finalize: Annotated[
+        bool | None,
+        typer.Option(help="Write the index once every unit is done (default: yes, unless --work-unit is given)."),
+    ] = None,
 ) -> None:
     """Encode captioned media with the Wan VAE and umT5 into latent shards + index; re-run to resume."""
     from wanloom_trainer.data.bucketing import parse_bucket
@@ -73,12 +87,33 @@ def prepare(
             prompts=prompts,
             negative_prompt=negative_prompt,
         )
-        result = run_prepare(config, progress=progress)
+        result = run_prepare(
+            config, progress=progress, units=work_unit or None, finalize=not work_unit if finalize is None else finalize
+        )
     except (ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
-    _summary(result.index, output)
+    if result.index is None:
+        typer.echo(f"wrote work unit(s) {', '.join(map(str, work_unit or []))} to {output}; not finalized")
+    else:
+        _summary(result.index, output)
     for skip in result.skipped:
         typer.echo(f"  skipped {skip['source']}: {skip['reason']}")
+
+
+def units(
+    inputs: Annotated[str, typer.Argument(help="A manifest, or a folder or gs:// prefix of captioned media.")],
+    samples_per_shard: Annotated[int, typer.Option(help="Sources per shard (one work unit).")] = 256,
+) -> None:
+    """Print how many work units (shards) the inputs make: a data-preparation Job's completions."""
+    from wanloom_trainer.data.prepare.sources import read_sources
+
+    if samples_per_shard < 1:
+        raise _fail(ValueError(f"--samples-per-shard must be >= 1, got {samples_per_shard}"))
+    try:
+        n = len(read_sources(inputs))
+    except (ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+    typer.echo(-(-n // samples_per_shard))
 
 
 def synth(
@@ -115,5 +150,6 @@ def synth(
 
 def register(app: typer.Typer) -> None:
     data_app.command()(prepare)
+    data_app.command()(units)
     data_app.command()(synth)
     app.add_typer(data_app)

@@ -13,7 +13,8 @@ from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.bucketing import parse_bucket
 from wanloom_trainer.data.format import from_bfloat16_bits, to_bfloat16_bits
 from wanloom_trainer.data.prefetch import PlanPrefetcher
-from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare, scan_inputs
+from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
+from wanloom_trainer.data.prepare.sources import read_sources
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.routing import Router, TimestepSampler
 
@@ -158,6 +159,7 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
         "empty_prompt.npy",
         "index.json",
         *shards,
+        "skipped.json",
     ]  # the layout docs/data-format.md describes
 
     # Resuming with other settings would mix two datasets: refused before anything is encoded.
@@ -172,7 +174,7 @@ def test_missing_captions_are_listed(tmp_path: Path) -> None:
     Image.new("RGB", (32, 32)).save(tmp_path / "y.png")
     (tmp_path / "y.txt").write_text("   ")
     with pytest.raises(ValueError, match=r"2 sources have no caption.*x\.txt.*y\.txt"):
-        scan_inputs(tmp_path)
+        read_sources(tmp_path)
 
 
 def test_encoders_that_do_not_fit_the_variant_are_refused(tmp_path: Path, media_set, tiny_model_root: Path) -> None:

@@ -204,9 +204,9 @@ def _rectangular(values: Any) -> bool:
     return True
 
 
-def shard_name(number: int) -> str:
-    """Path of shard ``number`` relative to the dataset root."""
-    return f"{SHARD_DIR}/shard-{number:06d}.tar"
+def shard_name(number: int, tag: str = "") -> str:
+    """Path of shard ``number`` relative to the dataset root (``tag``: a second writer's copy with other bytes)."""
+    return f"{SHARD_DIR}/shard-{number:06d}{f'.{tag}' if tag else ''}.tar"
 
 
 def shard_manifest_name(number: int) -> str:

@@ -9,6 +9,9 @@ anonymous credentials, which is how the tests and the benchmark run offline.
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
 import os
 import random
 import shutil
@@ -97,6 +100,27 @@ class Storage(ABC):
     @abstractmethod
     def open_stream(self, name: str) -> BinaryIO: ...
 
+    @abstractmethod
+    def upload_if_absent(self, name: str, path: Path) -> bool:
+        """``upload`` unless ``name`` exists; False when it did (its object stands)."""
+
+    @abstractmethod
+    def md5(self, name: str) -> str:
+        """The object's MD5, hex (GCS keeps it with every object: nothing is downloaded)."""
+
+    @abstractmethod
+    def write_if_absent(self, name: str, data: bytes) -> bool:
+        """Create ``name`` atomically unless it exists (GCS: ``ifGenerationMatch=0``); False when it did: another
+        writer won, and its object stands."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` if it exists."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names under ``prefix`` (relative to the root, sorted), recursively."""
+
     def join(self, name: str) -> str:
         return f"{self.uri.rstrip('/')}/{name}"
 
@@ -157,6 +181,47 @@ class LocalStorage(Storage):
             return self._path(name).open("rb")
         except FileNotFoundError as exc:
             raise MissingObject(f"{self.join(name)} does not exist") from exc
+
+    def upload_if_absent(self, name: str, path: Path) -> bool:
+        target = self._path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        shutil.copyfile(path, tmp)
+        return self._link(tmp, target)
+
+    def md5(self, name: str) -> str:
+        digest = hashlib.md5(usedforsecurity=False)
+        with self.open_stream(name) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def write_if_absent(self, name: str, data: bytes) -> bool:
+        target = self._path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        return self._link(tmp, target)
+
+    @staticmethod
+    def _link(tmp: Path, target: Path) -> bool:
+        try:
+            os.link(tmp, target)  # atomic, and fails where the name exists
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        return True
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.exists():
+            return []
+        found = base.rglob("*") if base.is_dir() else [base]
+        return sorted(p.relative_to(self.root).as_posix() for p in found if p.is_file() and not p.name.startswith("."))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -259,6 +324,47 @@ class GCSStorage(Storage):
         if not self.exists(name):
             raise MissingObject(f"{self.join(name)}: not found")
         return self._blob(name).open("rb", chunk_size=8 << 20)
+
+    def write_if_absent(self, name: str, data: bytes) -> bool:
+        return self._create(name, lambda blob: blob.upload_from_string(data, if_generation_match=0, retry=None))
+
+    def upload_if_absent(self, name: str, path: Path) -> bool:
+        return self._create(name, lambda blob: blob.upload_from_filename(str(path), if_generation_match=0, retry=None))
+
+    def _create(self, name: str, upload: Callable[[Any], None]) -> bool:
+        from google.api_core import exceptions as gexc
+
+        def create() -> bool:
+            try:
+                upload(self._blob(name))
+            except gexc.PreconditionFailed:
+                return False
+            return True
+
+        return self._call(self.join(name), create)
+
+    def md5(self, name: str) -> str:
+        def fetch() -> str:
+            blob = self._blob(name)
+            blob.reload(retry=None)
+            return base64.b64decode(blob.md5_hash).hex()
+
+        return self._call(self.join(name), fetch)
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(MissingObject):
+            self._call(self.join(name), lambda: self._blob(name).delete(retry=None))
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = "/".join(p.strip("/") for p in (self.prefix, prefix) if p)
+        full = f"{full}/" if full else ""  # a folder: not its siblings that share the name's start
+        client = getattr(self._local, "client", None) or _gcs_client()
+        self._local.client = client
+        blobs = self._call(
+            f"{self.join(prefix)} (list)", lambda: list(client.list_blobs(self.bucket_name, prefix=full, retry=None))
+        )
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        return sorted(b.name[strip:] for b in blobs if not b.name.endswith("/"))
 
 
 def open_storage(uri: str | Path, retry: RetryPolicy | None = None) -> Storage:

@@ -1,18 +1,20 @@
-"""``wanloom data prepare``: a folder of captioned videos and images → latent shards + shape index.
+"""``wanloom data prepare``: captioned videos and images → latent shards + shape index.
 
-Inputs: every image (png/jpg/webp/bmp) and video (mp4/mov/webm/mkv/avi/m4v) under the folder, each with a caption
-in a sidecar text file of the same stem (``clip.mp4`` + ``clip.txt``). The sorted input list is cut into shards
-of ``samples_per_shard``; each shard decodes its sources, resizes/crops them into their bucket (bucketing.py),
-encodes them in batches of one bucket with the Wan VAE and the umT5 text encoder (encoders.py) and is written
-as a unit (writer.py). Re-running the same command after an interruption skips finished shards. Sources that
-cannot be decoded or fit no bucket are skipped and listed in the shard manifests, never fatal.
+Inputs (``sources``): a manifest (JSONL, CSV or Parquet, on gs:// or a path), or a folder / gs:// prefix of media
+with sidecar captions. The ordered inputs are cut into **work units** of ``samples_per_shard``, one shard each;
+a unit decodes its sources (ranged reads from GCS), resizes/crops them into their bucket (bucketing.py), encodes
+them in batches of one bucket with the Wan VAE and the umT5 text encoder (encoders.py) and is written as a unit
+(writer.py). A unit's bytes depend only on its inputs and the settings, so any worker may do (or redo) any unit,
+at the same time as another: ``prepare(..., units=[k], finalize=False)`` is one worker of an Indexed Job, and
+``finalize`` joins the shards into the index once every unit is written. Re-running skips finished units. Sources
+that cannot be decoded or fit no bucket are skipped and listed (``skipped.json``), never fatal.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ from wanloom_trainer.config.variants import WanVariant, get_variant
 from wanloom_trainer.data.bucketing import Bucket, choose_bucket, resize_crop, validate_buckets
 from wanloom_trainer.data.format import STORAGE_DTYPES, EncodedSample
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
-from wanloom_trainer.data.prepare.media import MediaError, load_media, media_kind
+from wanloom_trainer.data.prepare.media import MediaError, load_media
+from wanloom_trainer.data.prepare.sources import SourceItem, open_media, read_sources
 from wanloom_trainer.data.prepare.writer import DatasetWriter
 from wanloom_trainer.data.storage import open_storage
 
@@ -35,7 +38,8 @@ class PrepareConfig:
     """Settings of one ``prepare`` run; every field except ``device``/``encoder_dtype`` is part of the build record.
 
     Attributes:
-        inputs: folder of media with sidecar ``.txt`` captions.
+        inputs: a manifest (.jsonl/.csv/.parquet), or a folder or gs:// prefix of media with sidecar ``.txt``
+            captions (``sources``).
         output: dataset root (path or gs://).
         model: diffusers-layout root with vae/, text_encoder/, tokenizer/.
         variant: the Wan variant the latents are for (channels, strides, text length, I2V condition).
@@ -49,7 +53,7 @@ class PrepareConfig:
             ``negative_prompt.npy`` (``spec.validation.negativePrompt``).
     """
 
-    inputs: Path
+    inputs: str | Path
     output: str
     model: Path
     variant: str
@@ -71,47 +75,20 @@ class PrepareConfig:
 
 
 @dataclass(frozen=True)
-class MediaItem:
-    ordinal: int  # position in the sorted input list: the sample key and the shard are derived from it
-    path: Path
-    source: str  # path relative to the input folder, POSIX style
-    caption: str
-
-
-@dataclass(frozen=True)
 class PrepareResult:
-    index: ShapeIndex
+    index: ShapeIndex | None  # None: the units asked for are written, the dataset is not finalized yet
     skipped: list[dict[str, str]]
 
 
-def scan_inputs(folder: Path) -> list[MediaItem]:
-    """Media under ``folder`` in sorted order with their captions; missing or empty captions are an error."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"input folder {folder} does not exist")
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and media_kind(p) is not None)
-    if not paths:
-        raise ValueError(f"{folder} holds no images or videos")
-    items, missing = [], []
-    for i, path in enumerate(paths):
-        caption_file = path.with_suffix(".txt")
-        caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
-        if not caption:
-            missing.append(str(caption_file))
-        items.append(MediaItem(i, path, path.relative_to(folder).as_posix(), caption))
-    if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        raise ValueError(f"{len(missing)} sources have no caption (write a non-empty sidecar file): {shown}")
-    return items
-
-
-def _digest(items: list[MediaItem]) -> str:
+def _digest(items: list[SourceItem]) -> str:
     h = hashlib.sha256()
     for it in items:
-        h.update(f"{it.source}\0{it.caption}\0".encode())
+        bounds = "" if it.start is None and it.end is None else f"{it.uri}\0{it.start}\0{it.end}\0"
+        h.update(f"{it.source}\0{it.caption}\0{bounds}".encode())
     return h.hexdigest()[:16]
 
 
-def _header(config: PrepareConfig, variant: WanVariant, items: list[MediaItem]) -> DatasetHeader:
+def _header(config: PrepareConfig, variant: WanVariant, items: list[SourceItem]) -> DatasetHeader:
     return DatasetHeader.for_variant(
         variant,
         dtype=config.dtype,
@@ -127,23 +104,43 @@ def _header(config: PrepareConfig, variant: WanVariant, items: list[MediaItem]) 
     )
 
 
-def prepare(config: PrepareConfig, *, progress: bool = True, encoders: Any = None) -> PrepareResult:
-    """Run (or resume) a prepare; ``encoders`` overrides loading ``WanEncoders`` from ``config.model``."""
+def prepare(
+    config: PrepareConfig,
+    *,
+    progress: bool = True,
+    encoders: Any = None,
+    units: Sequence[int] | None = None,
+    finalize: bool = True,
+) -> PrepareResult:
+    """Run (or resume) a prepare: every unfinished work unit, or only ``units``; then, with ``finalize``, the index.
+    ``encoders`` overrides loading ``WanEncoders`` from ``config.model``."""
     variant = get_variant(config.variant)
     validate_buckets(config.buckets, variant)
-    items = scan_inputs(config.inputs)
+    items = read_sources(config.inputs)
     per = config.samples_per_shard
-    writer = DatasetWriter(open_storage(config.output), _header(config, variant, items), -(-len(items) // per))
-    todo = writer.start()
+    num_units = -(-len(items) // per)
+    bad = sorted(k for k in units or () if not 0 <= k < num_units)
+    if bad:
+        raise ValueError(f"work unit(s) {bad} do not exist: the inputs make units 0..{num_units - 1}")
+    writer = DatasetWriter(open_storage(config.output), _header(config, variant, items), num_units)
+    todo = [k for k in writer.start() if units is None or k in units]
     if todo:
         encoders = encoders or _load_encoders(config, variant)
-        bar = _progress(len(items), len(items) - sum(len(items[k * per : (k + 1) * per]) for k in todo), progress)
+        total = sum(len(items[k * per : (k + 1) * per]) for k in (range(num_units) if units is None else units))
+        bar = _progress(total, total - sum(len(items[k * per : (k + 1) * per]) for k in todo), progress)
         for k in todo:
             shard_items = items[k * per : (k + 1) * per]
             skipped: list[dict[str, str]] = []
             samples = _encode_shard(shard_items, config, variant, encoders, skipped, bar)
             writer.write_shard(k, samples, skipped)
         bar.close()
+    if not finalize:
+        return PrepareResult(None, writer.skipped())
+    return _finalize(config, writer, encoders, variant)
+
+
+def _finalize(config: PrepareConfig, writer: DatasetWriter, encoders: Any, variant: WanVariant) -> PrepareResult:
+    """The dataset-wide files (empty, validation and negative prompts), then the index over every unit."""
     if not writer.has_empty_prompt():  # encoded as the Wan pipelines encode "" (caption dropout trains on it)
         encoders = encoders or _load_encoders(config, variant)
         writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
@@ -198,18 +195,20 @@ def _progress(total: int, done: int, enabled: bool) -> Any:
 
 
 def _encode_shard(
-    items: list[MediaItem], config: PrepareConfig, variant: WanVariant, enc: Any, skipped: list, bar: Any
+    items: list[SourceItem], config: PrepareConfig, variant: WanVariant, enc: Any, skipped: list, bar: Any
 ) -> Iterator[EncodedSample]:
     """Decode, bucket and encode a shard's sources, yielding samples batch by batch (bounded memory)."""
     max_frames = max(b.frames for b in config.buckets)
-    pending: dict[Bucket, list[tuple[MediaItem, np.ndarray, float]]] = {}
+    pending: dict[Bucket, list[tuple[SourceItem, np.ndarray, float]]] = {}
     for item in items:
         bar.update(1)
         try:
-            clip = load_media(item.path, config.fps, max_frames)
-        except MediaError as exc:
-            log.warning("skipping %s: %s", item.source, exc)
-            skipped.append({"source": item.source, "reason": f"undecodable: {exc}"})
+            with open_media(item.uri) as media:
+                clip = load_media(media, config.fps, max_frames, name=item.uri, start=item.start, end=item.end)
+        except (MediaError, FileNotFoundError) as exc:
+            reason = f"{'missing' if isinstance(exc, FileNotFoundError) else 'undecodable'}: {exc}"
+            log.warning("skipping %s: %s", item.source, reason)
+            skipped.append({"source": item.source, "reason": reason})
             continue
         _, h, w, _ = clip.frames.shape
         bucket = choose_bucket(config.buckets, len(clip.frames), h, w, clip.is_image)
@@ -227,7 +226,7 @@ def _encode_shard(
 
 
 def _encode_batch(
-    bucket: Bucket, batch: list[tuple[MediaItem, np.ndarray, float]], variant: WanVariant, enc: Any
+    bucket: Bucket, batch: list[tuple[SourceItem, np.ndarray, float]], variant: WanVariant, enc: Any
 ) -> Iterator[EncodedSample]:
     clips = np.stack([pixels for _, pixels, _ in batch])
     latents = enc.encode_pixels(clips)

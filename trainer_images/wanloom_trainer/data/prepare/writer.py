@@ -4,11 +4,18 @@ A dataset is built as numbered shards, each from a fixed slice of the inputs. A 
 then its manifest (``shards/shard-NNNNNN.json``: the shard's index rows and the inputs it skipped); a shard whose
 manifest exists is complete, so an interrupted build redoes at most the shards it was writing. ``build.json``
 records the settings; resuming with different settings is refused rather than mixing two datasets.
-``finalize`` joins the manifests into ``index.json``, the last file written: its presence marks a usable dataset.
+``finalize`` joins the manifests into ``index.json`` (and the skipped inputs into ``skipped.json``), the last file
+written: its presence marks a usable dataset.
+
+Any number of workers may write shards at once, the same shard too (a retried pod beside a slow one): both
+objects are created only if absent (GCS ``ifGenerationMatch=0``, a hard link locally). A tar that is already there
+with other bytes (an encoder is not bit-exact across devices) makes this writer's tar ``shard-NNNNNN.<md5>.tar``;
+the first manifest decides which tar the shard is, and a writer whose manifest lost removes its own tar.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tempfile
@@ -33,6 +40,7 @@ from wanloom_trainer.data.shards import ShardWriter
 from wanloom_trainer.data.storage import Storage
 
 BUILD_NAME = "build.json"
+SKIPPED_NAME = "skipped.json"
 
 
 class DatasetWriter:
@@ -96,7 +104,8 @@ class DatasetWriter:
         return [k for k in range(self.num_shards) if not self.storage.exists(shard_manifest_name(k))]
 
     def write_shard(self, number: int, samples: Iterable[EncodedSample], skipped: Iterable[dict[str, str]] = ()) -> int:
-        """Write shard ``number`` from ``samples`` (in order), then its manifest. Returns the samples written."""
+        """Write shard ``number`` from ``samples`` (in order), then its manifest (module docstring: concurrent
+        writers). Returns the samples written."""
         rows: list[dict[str, Any]] = []
         with tempfile.TemporaryDirectory(prefix="wanloom-shard-") as tmp:
             path = Path(tmp) / "shard.tar"
@@ -105,9 +114,16 @@ class DatasetWriter:
                     self._check(sample)
                     loc = tar.add(sample.key, encode_sample(sample, self.header.dtype))
                     rows.append(_row(sample, tar.count - 1, loc))
-            self.storage.upload(shard_name(number), path)
-        manifest = {"shard": shard_name(number), "samples": rows, "skipped": list(skipped)}
-        self.storage.write(shard_manifest_name(number), json.dumps(manifest).encode())
+            name = shard_name(number)
+            if not self.storage.upload_if_absent(name, path):
+                digest = _md5(path)
+                if self.storage.md5(name) != digest:
+                    name = shard_name(number, digest[:12])
+                    self.storage.upload(name, path)
+        manifest = {"shard": name, "samples": rows, "skipped": list(skipped)}
+        won = self.storage.write_if_absent(shard_manifest_name(number), json.dumps(manifest).encode())
+        if not won and json.loads(self.storage.read(shard_manifest_name(number)))["shard"] != name:
+            self.storage.delete(name)  # another writer's shard stands
         return len(rows)
 
     def _check(self, s: EncodedSample) -> None:
@@ -121,11 +137,29 @@ class DatasetWriter:
             raise ValueError(f"sample {s.key}: {cond} condition channels, dataset has {h.condition_channels}")
 
     def finalize(self) -> ShapeIndex:
-        """Join every shard manifest into the index and write ``index.json``."""
+        """Join every shard manifest into the index and write ``skipped.json``, then ``index.json``."""
+        missing = [k for k in range(self.num_shards) if not self.storage.exists(shard_manifest_name(k))]
+        if missing:
+            shown = ", ".join(str(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            raise ValueError(
+                f"{self.storage.uri}: {len(missing)} of {self.num_shards} work units are not written yet ({shown}); "
+                "run them first (wanloom data prepare --work-unit K)"
+            )
         manifests = [json.loads(self.storage.read(shard_manifest_name(k))) for k in range(self.num_shards)]
         index = build_index(self.header, manifests)
+        skipped = [s for m in manifests for s in m["skipped"]]
+        self.storage.write(SKIPPED_NAME, json.dumps(skipped, indent=1).encode())
         self.storage.write(INDEX_NAME, index.to_json().encode())
         return index
+
+    @classmethod
+    def resume(cls, storage: Storage) -> DatasetWriter:
+        """The writer of the build recorded under ``storage`` (``build.json``): to finalize it elsewhere."""
+        try:
+            build = json.loads(storage.read(BUILD_NAME))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{storage.join(BUILD_NAME)}: no dataset build has started there") from exc
+        return cls(storage, DatasetHeader(**build["header"]), int(build["num_shards"]))
 
     def skipped(self) -> list[dict[str, str]]:
         """Inputs the build skipped, over every shard written so far."""
@@ -134,6 +168,14 @@ class DatasetWriter:
             if self.storage.exists(shard_manifest_name(k)):
                 out += json.loads(self.storage.read(shard_manifest_name(k)))["skipped"]
         return out
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _row(sample: EncodedSample, position: int, loc: Any) -> dict[str, Any]:
