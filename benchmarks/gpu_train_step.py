@@ -81,7 +81,7 @@ def worker(job_path: str, steps: int, layers: int | None, shape: str) -> None:
     config = from_trainingjob(load_trainingjob_file(job_path), {"WANLOOM_RUN_DIR": tempfile.mkdtemp()})
     if layers is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=layers))
-    backend = TorchBackend(config)
+    backend = TorchBackend(config.backend_config)
     wan = config.model.wan
     latent = tuple(int(v) for v in latent_shapes_for_pixels(wan, [[int(v) for v in shape.split("x")]])[0])
     tokens = wan.tokens(*latent)

@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    backend = TorchBackend(load_train_config(os.environ))
+    backend = TorchBackend(load_train_config(os.environ).backend_config)
     state, first = backend.init_state(), 0
     if args.resume:
         restored = backend.restore(state)

@@ -34,7 +34,7 @@ INPUTS = StepInputs(0, [_slot(0, [0, 1]), _slot(1, [2])], 3, (2, 1), (1e-3, 1e-3
 
 
 def _losses(make_config, **spec) -> tuple[list[float], list[float]]:
-    backend = TorchBackend(make_config(**spec))
+    backend = TorchBackend(make_config(**spec).backend_config)
     state = backend.init_state()
     outs = []
     for step in range(2):
@@ -68,22 +68,22 @@ def test_settings_change_only_what_they_should(make_config, spec, tol) -> None:
 
 def test_compiled_blocks_are_compiled(make_config) -> None:
     """nn.Module.compile keeps each block's class and module path (checkpoint keys unchanged) and compiles its call."""
-    backend = TorchBackend(make_config(kernels={"compile": "blocks"}))
+    backend = TorchBackend(make_config(kernels={"compile": "blocks"}).backend_config)
     state = backend.init_state()
     assert all(block._compiled_call_impl is not None for m in state.experts for block in m.blocks)
-    plain = TorchBackend(make_config()).init_state()
+    plain = TorchBackend(make_config().backend_config).init_state()
     assert all(block._compiled_call_impl is None for m in plain.experts for block in m.blocks)
 
 
 def test_bf16_params_are_stored_in_bf16_and_fp32_params_stay_fp32(make_config) -> None:
     for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        backend = TorchBackend(make_config(model={"paramDtype": dtype, "computeDtype": "bfloat16"}))
+        backend = TorchBackend(make_config(model={"paramDtype": dtype, "computeDtype": "bfloat16"}).backend_config)
         state = backend.init_state()
         assert {p.dtype for m in state.experts for p in m.parameters()} == {want}
 
 
 def test_idle_expert_keeps_parameters_and_moments_bit_for_bit(make_config) -> None:
-    backend = TorchBackend(make_config())
+    backend = TorchBackend(make_config().backend_config)
     state = backend.init_state()
     before = [_full(p.detach()).clone() for p in state.experts[1].parameters()]
     moments = [_full(s["exp_avg_sq"]).clone() for s in state.optimizers[1].state.values()]
@@ -97,7 +97,7 @@ def test_idle_expert_keeps_parameters_and_moments_bit_for_bit(make_config) -> No
 
 
 def test_evaluate_is_the_training_loss(make_config) -> None:
-    backend = TorchBackend(make_config())
+    backend = TorchBackend(make_config().backend_config)
     state = backend.init_state()
     slot = _slot(1, [5, 6])
     evaluated = backend.evaluate(state, slot)
@@ -106,13 +106,13 @@ def test_evaluate_is_the_training_loss(make_config) -> None:
 
 
 def test_bad_settings_are_named(make_config) -> None:
-    backend = TorchBackend(make_config())
+    backend = TorchBackend(make_config().backend_config)
     with pytest.raises(ValueError, match="the plan has 2 ranks but the torch mesh has 1"):
         backend.local_ranks(2)
     with pytest.raises(ValueError, match="'flash' needs CUDA devices and computeDtype bfloat16"):
-        TorchBackend(make_config(kernels={"attention": "flash"})).init_state()
+        TorchBackend(make_config(kernels={"attention": "flash"}).backend_config).init_state()
     with pytest.raises(ValueError, match=r"checkpoint\.uri is unset"):
-        TorchBackend(make_config(training={"checkpoint": {"uri": None}})).save(None, 1, {})
+        TorchBackend(make_config(training={"checkpoint": {"uri": None}}).backend_config).save(None, 1, {})
 
 
 def test_weights_are_staged_from_gcs_on_rank_zero_and_loaded(make_config, gcs, tmp_path) -> None:
@@ -124,16 +124,16 @@ def test_weights_are_staged_from_gcs_on_rank_zero_and_loaded(make_config, gcs, t
     for model, folder in zip(sources, ("transformer", "transformer_2"), strict=True):
         model.save_pretrained(tmp_path / "w" / folder)
     upload_dir(tmp_path / "w", GcsLocation.parse(gcs), "weights")
-    state = TorchBackend(make_config(model={"weights": f"{gcs}/weights"})).init_state()
+    state = TorchBackend(make_config(model={"weights": f"{gcs}/weights"}).backend_config).init_state()
     for source, expert in zip(sources, state.experts, strict=True):
         want = source.state_dict()
         assert all(torch.equal(want[k], _full(v)) for k, v in expert.state_dict().items())
     with pytest.raises(FileNotFoundError, match="nothing under"):
-        TorchBackend(make_config(model={"weights": f"{gcs}/missing"})).init_state()
+        TorchBackend(make_config(model={"weights": f"{gcs}/missing"}).backend_config).init_state()
 
 
 def _first_moments(make_config, **spec) -> tuple[list[torch.Tensor], list[float | None]]:
-    backend = TorchBackend(make_config(**spec))
+    backend = TorchBackend(make_config(**spec).backend_config)
     state, out = backend.train_step(backend.init_state(), INPUTS)
     moments = [_full(s["exp_avg"]).clone() for s in state.optimizers[0].state.values()]
     return moments, [e.grad_norm for e in out.experts]

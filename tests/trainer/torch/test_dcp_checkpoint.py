@@ -51,7 +51,7 @@ def _equal(a: list[dict], b: list[dict]) -> bool:
 @pytest.mark.parametrize("where", ["path", "gcs"])
 def test_round_trip_restores_experts_optimizers_rng_and_meta(make_config, tmp_path, where, request) -> None:
     uri = str(tmp_path / "ckpt") if where == "path" else request.getfixturevalue("gcs")
-    backend = TorchBackend(make_config(training={"checkpoint": {"uri": uri, "keep": 2}}))
+    backend = TorchBackend(make_config(training={"checkpoint": {"uri": uri, "keep": 2}}).backend_config)
     state = backend.init_state()
     state, _ = backend.train_step(state, _inputs(0, (0,)))  # the low-noise expert never steps
     backend.save(state, 1, {"data_position": 17})
@@ -63,7 +63,7 @@ def test_round_trip_restores_experts_optimizers_rng_and_meta(make_config, tmp_pa
     state, _ = backend.train_step(state, _inputs(1, (0, 1)))
     assert not _equal(_snapshot(state), saved)
     torch.manual_seed(99)
-    restored = TorchBackend(make_config(training={"checkpoint": {"uri": uri, "keep": 2}})).restore()
+    restored = TorchBackend(make_config(training={"checkpoint": {"uri": uri, "keep": 2}}).backend_config).restore()
     assert (restored.next_step, restored.meta) == (1, {"data_position": 17})
     assert _equal(_snapshot(restored.state), saved)
     assert torch.equal(torch.get_rng_state(), rng_at_save)
@@ -73,7 +73,7 @@ def test_round_trip_restores_experts_optimizers_rng_and_meta(make_config, tmp_pa
 
 def test_latest_step_skips_incomplete_checkpoints_and_keeps_the_newest(make_config, tmp_path) -> None:
     uri = tmp_path / "ckpt"
-    backend = TorchBackend(make_config(training={"checkpoint": {"uri": str(uri), "keep": 2}}))
+    backend = TorchBackend(make_config(training={"checkpoint": {"uri": str(uri), "keep": 2}}).backend_config)
     state = backend.init_state()
     for step in (1, 2, 3):
         backend.save(state, step, {"data_position": step})
@@ -88,7 +88,7 @@ def test_latest_step_skips_incomplete_checkpoints_and_keeps_the_newest(make_conf
 def test_gcs_layout_retention_and_clean_staging(make_config, gcs, tmp_path) -> None:
     from google.cloud import storage
 
-    backend = TorchBackend(make_config(training={"checkpoint": {"uri": gcs, "keep": 1}}))
+    backend = TorchBackend(make_config(training={"checkpoint": {"uri": gcs, "keep": 1}}).backend_config)
     state = backend.init_state()
     backend.save(state, 4, {})
     backend.save(state, 8, {})

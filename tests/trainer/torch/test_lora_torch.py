@@ -68,7 +68,9 @@ def test_only_adapters_train_and_the_base_stays_bit_for_bit(make_config) -> None
         return Slot(expert, {0: rows})
 
     inputs = StepInputs(0, [slot(0, [0, 1]), slot(1, [2])], 3, (2, 1), (1e-2, 1e-2))
-    backend = TorchBackend(make_config(lora=LORA, model={"paramDtype": "bfloat16", "computeDtype": "bfloat16"}))
+    backend = TorchBackend(
+        make_config(lora=LORA, model={"paramDtype": "bfloat16", "computeDtype": "bfloat16"}).backend_config
+    )
     state = backend.init_state()
     frozen = {n: p.detach().clone() for m in state.experts for n, p in m.named_parameters() if not p.requires_grad}
     assert all(p.dtype == torch.bfloat16 for p in frozen.values())

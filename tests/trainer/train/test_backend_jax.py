@@ -61,7 +61,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory, tiny: Any) -> Any:
 
     workdir = tmp_path_factory.mktemp("backend")
     config = tiny.tiny_config(workdir, optimizer={"clipGradNorm": 1.0, "weightDecay": 0.01})
-    b = JaxBackend(config, devices=jax.devices()[:1])
+    b = JaxBackend(config.backend_config, devices=jax.devices()[:1])
     yield b
     b.close()
 

@@ -158,14 +158,57 @@ class TrainConfig:
 
     @property
     def adapted_experts(self) -> tuple[bool, ...]:
-        """Per expert (routing id): does it train LoRA adapters (``spec.lora.experts``; a single-model variant's
-        one model whenever LoRA is on)? All False for full training."""
-        n = self.model.num_experts
-        if self.lora is None:
-            return (False,) * n
-        if self.lora.experts == "both" or n == 1:
-            return (True,) * n
-        return tuple(label == self.lora.experts for label in EXPERT_LABELS[:n])
+        """Per expert (routing id): does it train LoRA adapters? (``adapted_experts``)."""
+        return adapted_experts(self.model, self.lora)
+
+    @property
+    def backend_config(self) -> BackendConfig:
+        """The sections a backend is built from (``BackendConfig``)."""
+        return BackendConfig(
+            model=self.model,
+            parallel=self.parallel,
+            optimizer=self.optimizer,
+            lora=self.lora,
+            checkpoint=self.checkpoint,
+            distributed=self.distributed,
+            seed=self.seed,
+            run_dir=self.run_dir,
+        )
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What a training backend is built from: the model, parallelism, optimizer, LoRA and checkpoint sections and
+    the process layout, not the whole run (data, AdaptiveLoad, validation, export and reporting are the driver's).
+
+    Attributes:
+        seed: parameter initialisation and the backend's own random stream (LoRA dropout).
+        run_dir: where the backend keeps its local files (compile caches).
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerSpec
+    lora: LoraSpec | None
+    checkpoint: CheckpointSpec
+    distributed: DistributedConfig
+    seed: int
+    run_dir: str
+
+    @property
+    def adapted_experts(self) -> tuple[bool, ...]:
+        return adapted_experts(self.model, self.lora)
+
+
+def adapted_experts(model: ModelConfig, lora: LoraSpec | None) -> tuple[bool, ...]:
+    """Per expert (routing id): does it train LoRA adapters (``spec.lora.experts``; a single-model variant's one
+    model whenever LoRA is on)? All False for full training."""
+    n = model.num_experts
+    if lora is None:
+        return (False,) * n
+    if lora.experts == "both" or n == 1:
+        return (True,) * n
+    return tuple(label == lora.experts for label in EXPERT_LABELS[:n])
 
 
 def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:

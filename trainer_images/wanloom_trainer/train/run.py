@@ -105,10 +105,10 @@ def make_backend(config: TrainConfig) -> Backend:
     if config.backend == "torch":
         from wanloom_trainer.backends.torch.backend import TorchBackend
 
-        return TorchBackend(config)
+        return TorchBackend(config.backend_config)
     from wanloom_trainer.backends.jax.backend import JaxBackend
 
-    return JaxBackend(config)
+    return JaxBackend(config.backend_config)
 
 
 def run(

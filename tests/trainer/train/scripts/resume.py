@@ -44,7 +44,7 @@ def crash_at(step: int):
 def train(workdir: Path, spec: dict | None = None, **kwargs) -> object:
     config = tiny_config(workdir, **(spec or SPEC))
     prepare_platform(config)  # a no-op for the already-imported jax, but checks its device count
-    return run(config, backend=JaxBackend(config, devices=jax.devices()[:1]), progress=False, **kwargs)
+    return run(config, backend=JaxBackend(config.backend_config, devices=jax.devices()[:1]), progress=False, **kwargs)
 
 
 def main() -> None:

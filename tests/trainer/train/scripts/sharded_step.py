@@ -84,13 +84,13 @@ def main() -> None:
         # eps large enough that Adam's first update g/(|g|+eps) is a smooth function of g (no sign flips of ~0
         # gradients), so a float-rounding difference cannot be amplified into an lr-sized parameter difference.
         base = tiny_config(work, optimizer={"eps": 1e-2, "warmupSteps": 0}, training={"checkpoint": {"uri": None}})
-        single = JaxBackend(base, devices=jax.devices()[:1])
+        single = JaxBackend(base.backend_config, devices=jax.devices()[:1])
         ref_outs, ref_state = steps(single, 1)
         report = {}
         for name, (shape, adaln) in MESHES.items():
             model = dataclasses.replace(base.model, adaln=adaln)
             config = dataclasses.replace(base, parallel=ParallelConfig(*shape), model=model)
-            backend = JaxBackend(config)
+            backend = JaxBackend(config.backend_config)
             state_live = backend.init_state()
             outs, state = steps(backend, config.parallel.batch_ranks)
             pairs = list(zip(outs, ref_outs, strict=True))

@@ -38,7 +38,7 @@ def compile_case(work: str, topology: str, slices: int, *degrees: int) -> dict:
     base = tiny_config(work, training={"checkpoint": {"uri": None}})
     model = dataclasses.replace(base.model, adaln="fused", attention="splash")
     config = dataclasses.replace(base, parallel=ParallelConfig(*degrees), model=model)
-    backend = JaxBackend(config, devices=devices)
+    backend = JaxBackend(config.backend_config, devices=devices)
     state = backend.abstract_state()
     params = backend.flat_state(state["params"], state["opt"])[0][0]
     rows = lambda *shape: jax.ShapeDtypeStruct((ROWS, *shape), jnp.float32, sharding=backend.shardings.batch_b)

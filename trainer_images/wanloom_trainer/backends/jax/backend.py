@@ -36,7 +36,7 @@ from wanloom_trainer.backends.ema import ema_decay
 from wanloom_trainer.backends.interface import ExpertOutputs, RankRows, Restored, Slot, StepInputs, StepOutputs
 from wanloom_trainer.backends.jax.step import StepFns, make_step_fns, moment_transform
 from wanloom_trainer.backends.packing import PackedRows
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import BackendConfig
 from wanloom_trainer.config.variants import EXPERT_SUBFOLDERS
 from wanloom_trainer.distributed_jax import initialize_jax
 from wanloom_trainer.parallel.context_attention import context_parallel_attention
@@ -72,7 +72,7 @@ def use_gspmd_for_sequence_sharding() -> None:
         jax.config.update("jax_use_shardy_partitioner", False)
 
 
-def _check_local_devices(config: TrainConfig, devices: Sequence[jax.Device] | None) -> None:
+def _check_local_devices(config: BackendConfig, devices: Sequence[jax.Device] | None) -> None:
     """WANLOOM_DEVICES_PER_HOST (the operator's view of a pod) must be what JAX sees on this host."""
     expected = config.distributed.devices_per_host
     if expected is not None and devices is None and jax.local_device_count() != expected:
@@ -123,7 +123,7 @@ class JaxBackend:
 
     name = "jax"
 
-    def __init__(self, config: TrainConfig, *, devices: Sequence[jax.Device] | None = None) -> None:
+    def __init__(self, config: BackendConfig, *, devices: Sequence[jax.Device] | None = None) -> None:
         initialize_jax(config.distributed)
         if config.parallel.context > 1:
             use_gspmd_for_sequence_sharding()

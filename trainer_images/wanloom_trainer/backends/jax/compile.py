@@ -232,7 +232,7 @@ def compile_job(
     use_compiler_env(job)
     topology, slices, devices = _tpu_devices(job)
     config = checked_config(job, layers=layers, remat=remat)
-    backend = JaxBackend(config, devices=devices)
+    backend = JaxBackend(config.backend_config, devices=devices)
     state = backend.abstract_state()
     (params, *_), (opt, *_) = backend.flat_state(state["params"], state["opt"])
     frozen = backend.abstract_frozen()  # LoRA: the base, resident beside the adapters; else []

@@ -40,7 +40,7 @@ from wanloom_trainer.backends.ema import ema_decay
 from wanloom_trainer.backends.interface import ExpertOutputs, Restored, Slot, StepInputs, StepOutputs
 from wanloom_trainer.backends.torch.step import accumulate, flow_matching_loss, make_adamw, rows_to_tensors, update
 from wanloom_trainer.checkpoint.gcs import stage_weights
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import BackendConfig
 from wanloom_trainer.distributed_torch import destroy_process_group, init_process_group
 from wanloom_trainer.model.lora_torch import add_lora, freeze
 from wanloom_trainer.model.wan_torch import (
@@ -81,7 +81,7 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, config: TrainConfig, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: BackendConfig, env: Mapping[str, str] | None = None) -> None:
         self.config = config
         if config.model.adaln == "fused":
             _enable_triton_interpreter_on_cpu()
