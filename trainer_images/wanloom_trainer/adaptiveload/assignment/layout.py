@@ -353,7 +353,8 @@ def deal_steps(
     Every step gets about 1/``steps`` of the window's samples (``bound`` "samples") or tokens ("tokens"): slots,
     largest first (ties in a seeded order), each to the step with room under that bound whose samples, images,
     tokens and expert-1 samples so far are smallest relative to their shares (the smallest Σ fill·slot / share², a
-    vector LPT), so a step is a small copy of its window rather than a run of one shape. The steps are then put in
+    vector LPT), so a step is a small copy of its window rather than a run of one shape; moves and swaps between the
+    fullest and the emptiest step then even out what the greedy left over (``_even_out``). The steps are then put in
     a seeded order stratified by image share and tokens per sample (``stratified_order``): every third of the window
     sees the window's mix, and no part of it is a curriculum. Needs ``num_slots`` ≥ ``steps``."""
     if assignment.num_slots < steps:
@@ -385,10 +386,39 @@ def deal_steps(
         parts[j].append(k)
         fill[j] += features[k]
         held[j] += size[k]
+    _even_out(parts, size, held, room)
+    fill = np.stack([features[np.asarray(part, dtype=np.int64)].sum(axis=0) for part in parts])
     return [
         select_slots(assignment, np.sort(np.asarray(parts[j], dtype=np.int64)))
         for j in stratified_order(fill[:, :3], rng)
     ]
+
+
+def _even_out(parts: list[list[int]], size: np.ndarray, held: np.ndarray, room: float, rounds: int = 256) -> None:
+    """Moves and swaps of slots between the fullest and the emptiest step while they bring both nearer ``room``
+    (the greedy deal can leave a step one small slot over and another under)."""
+    for _ in range(rounds):
+        over, under = int(np.argmax(held)), int(np.argmin(held))
+        excess, lack = held[over] - room, room - held[under]
+        if excess <= 1e-9 or lack <= 1e-9:
+            return
+        best, move = excess + lack - 1e-9, None
+        for k in parts[over]:
+            for back in [None, *parts[under]]:  # move k, or swap it with a smaller slot
+                shift = size[k] - (0.0 if back is None else size[back])
+                cost = abs(excess - shift) + abs(lack - shift)
+                if shift > 0 and cost < best:
+                    best, move = cost, (k, back, shift)
+        if move is None:
+            return
+        k, back, shift = move
+        parts[over].remove(k)
+        parts[under].append(k)
+        if back is not None:
+            parts[under].remove(back)
+            parts[over].append(back)
+        held[over] -= shift
+        held[under] += shift
 
 
 def stratified_order(contents: np.ndarray, rng: np.random.Generator) -> list[int]:
