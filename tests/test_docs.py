@@ -13,6 +13,7 @@ import pytest
 import typer
 import yaml
 
+from wanloom_api.latentdataset import LatentDatasetSpec
 from wanloom_api.metrics import OPERATOR_METRICS, TRAINER_METRICS
 from wanloom_api.trainingjob import TrainingJobSpec
 from wanloom_cli import app
@@ -124,7 +125,7 @@ def test_make_targets_helm_keys_and_job_names_exist(doc: Path) -> None:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_field_paths_metrics_and_files_exist(doc: Path) -> None:
     text = doc.read_text()
-    fields = _spec_paths()
+    fields = _spec_paths() | _spec_paths(LatentDatasetSpec)
     # snake_case paths are Python attributes in code samples, not manifest fields
     named = {f for f in FIELD.findall(text) if "_" not in f and f not in FOREIGN_FIELDS}
     unknown = sorted(named - fields)

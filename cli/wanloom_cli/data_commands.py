@@ -49,6 +49,9 @@ def prepare(
     dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16, float16 or float32.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="Torch device for the encoders.")] = "cpu",
     encoder_dtype: Annotated[str, typer.Option(help="Encoder dtype: float32 or bfloat16.")] = "float32",
+    encoders: Annotated[
+        str, typer.Option(help="Encoder implementation: torch, jax, or auto (torch where installed, else jax).")
+    ] = "auto",
     prompts: Annotated[
         Path | None, typer.Option(help="Text file of validation prompts (one per line) to encode with the dataset.")
     ] = None,
@@ -84,6 +87,7 @@ def prepare(
             dtype=dtype,
             device=device,
             encoder_dtype=encoder_dtype,
+            encoders=encoders,
             prompts=prompts,
             negative_prompt=negative_prompt,
         )
@@ -114,6 +118,61 @@ def units(
     except (ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
     typer.echo(-(-n // samples_per_shard))
+
+
+def build(
+    file: Annotated[Path, typer.Argument(help="A LatentDataset YAML file.")],
+    step: Annotated[
+        str, typer.Option(help="all (one machine), or one of the operator's pods: plan, encode or finalize.")
+    ] = "all",
+    work_unit: Annotated[
+        list[int] | None,
+        typer.Option(help="encode: the unit(s) to encode (default: $JOB_COMPLETION_INDEX, an Indexed Job's index)."),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Torch device (default: cuda with gpu resources, else cpu).")
+    ] = None,
+) -> None:
+    """Build a LatentDataset: plan, encode every work unit, finalize; or one of those steps, as a pod does.
+
+    Prints the step's summary as JSON (and, in a pod, writes it as the termination message the operator reads);
+    a dataset that cannot be built as written exits 3 with one line naming the field or input."""
+    import contextlib
+    import json
+    import os
+
+    from wanloom_api.keys import EXIT_CONFIG_ERROR
+    from wanloom_api.validation import InvalidTrainingJob, load_latentdataset_file
+    from wanloom_trainer.__main__ import TERMINATION_LOG, report
+    from wanloom_trainer.data.prepare import resource
+
+    if step not in ("all", "plan", "encode", "finalize"):
+        raise _fail(ValueError(f"--step {step!r}: use all, plan, encode or finalize"))
+    try:
+        dataset = load_latentdataset_file(file)
+        if step == "encode":
+            units = work_unit or _completion_index(os.environ.get("JOB_COMPLETION_INDEX"))
+            summary = resource.encode(dataset, units, device)
+        elif step == "plan":
+            summary = resource.plan(dataset)
+        elif step == "finalize":
+            summary = resource.finalize(dataset)
+        else:
+            summary = resource.build(dataset, device)
+    except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
+        text = str(exc).strip().splitlines()
+        raise typer.Exit(report(f"wanloom data build: {' '.join(text)}", EXIT_CONFIG_ERROR)) from exc
+    line = json.dumps(summary, sort_keys=True)
+    typer.echo(line)
+    if TERMINATION_LOG.exists():  # in a pod: the operator reads the summary from the container's status
+        with contextlib.suppress(OSError):
+            TERMINATION_LOG.write_text(line[:4000])
+
+
+def _completion_index(value: str | None) -> list[int]:
+    if value is None or not value.isdigit():
+        raise ValueError("--step encode needs --work-unit K or JOB_COMPLETION_INDEX (set in an Indexed Job's pods)")
+    return [int(value)]
 
 
 def synth(
@@ -151,5 +210,6 @@ def synth(
 def register(app: typer.Typer) -> None:
     data_app.command()(prepare)
     data_app.command()(units)
+    data_app.command()(build)
     data_app.command()(synth)
     app.add_typer(data_app)

@@ -13,7 +13,8 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
+from wanloom_api.latentdataset import LatentDataset
+from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file, validate_file
 
 _HEADER = (
     "# Rendered by `wanloom render`: what the operator creates for this TrainingJob. The ownerReferences uid is the\n"
@@ -54,18 +55,35 @@ def _in_namespace(metadata: Any, namespace: str) -> Any:
 
 
 def render(
-    file: Annotated[Path, typer.Argument(help="A TrainingJob YAML file.")],
+    file: Annotated[Path, typer.Argument(help="A TrainingJob or LatentDataset YAML file.")],
     namespace: Annotated[str | None, typer.Option(help="Namespace (default: metadata.namespace or 'default').")] = None,
-    uid: Annotated[str | None, typer.Option(help="The TrainingJob's uid for the owner references.")] = None,
+    uid: Annotated[str | None, typer.Option(help="The object's uid for the owner references.")] = None,
     output: Annotated[str, typer.Option("--output", "-o", help="yaml or json.")] = "yaml",
+    units: Annotated[
+        int,
+        typer.Option(help="LatentDataset: the work units its plan pod would report (the encode Job's completions)."),
+    ] = 1,
 ) -> None:
-    """Print the ConfigMap and JobSet the operator would create for FILE (images from WANLOOM_TRAINER_IMAGE_*)."""
+    """Print what the operator would create for FILE (images from WANLOOM_TRAINER_IMAGE_*): a TrainingJob's ConfigMap
+    and JobSet, or a LatentDataset's ConfigMap and plan, encode and finalize Jobs."""
+    from wanloom_operator.render.dataset import STEPS, render_dataset
     from wanloom_operator.render.jobset import render_trainingjob
     from wanloom_operator.settings import OperatorSettings
 
     if output not in ("yaml", "json"):
         raise typer.BadParameter(f"--output must be yaml or json (got {output!r})")
+    if units < 1:
+        raise typer.BadParameter(f"--units must be >= 1 (got {units})")
     try:
+        results = validate_file(file)
+        if len(results) == 1 and isinstance(results[0].job, LatentDataset):
+            dataset = results[0].job
+            if namespace:
+                dataset = dataset.model_copy(update={"metadata": _in_namespace(dataset.metadata, namespace)})
+            made = render_dataset(dataset, OperatorSettings.from_env(), owner_uid=uid)
+            objects = [made.configmap, *(made.job(step, units) for step in STEPS)]
+            typer.echo(dump_objects(objects, output), nl=False)
+            return
         job = load_trainingjob_file(file)
         if namespace:
             job = job.model_copy(update={"metadata": _in_namespace(job.metadata, namespace)})

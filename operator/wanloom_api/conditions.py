@@ -36,6 +36,8 @@ class ConditionType(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended
+    DATA_READY = "DataReady"  # spec.data.dataset: False while the LatentDataset is not Ready (message: its phase)
+    READY = "Ready"  # a LatentDataset: True once index.json is written
 
 
 class Reason(StrEnum):
@@ -60,6 +62,10 @@ class Reason(StrEnum):
     ALL_JOBS_READY = "AllJobsReady"
     JOBS_STARTING = "JobsStarting"
     WAITING_FOR_PODS = "WaitingForPods"
+    WAITING_FOR_DATASET = "WaitingForDataset"
+    DATASET_NOT_FOUND = "DatasetNotFound"
+    DATASET_READY = "DatasetReady"
+    DATASET_FAILED = "DatasetFailed"
 
 
 Status = Literal["True", "False", "Unknown"]

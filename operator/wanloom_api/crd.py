@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from wanloom_api import latentdataset as lds
 from wanloom_api import trainingjob as tj
 
 _DROP_KEYS = {"title", "discriminator"}
@@ -132,21 +133,10 @@ def _default_objects(schema: dict[str, Any]) -> None:
             _default_objects(prop["items"])
 
 
-def _spec_schema() -> dict[str, Any]:
-    spec = _schema_of(tj.TrainingJobSpec)
-    # Optional sub-objects whose mere presence means something must not be defaulted into existence.
-    optional = (
-        ("resources", "tpu"),
-        ("resources", "gpu"),
-        ("resources", "cpu"),
-        ("data", "synthetic"),
-        ("optimizer", "ema"),
-        ("lora",),
-        ("validation",),
-        ("export",),
-        ("tracking", "wandb"),
-        ("resources", "podRequests"),
-    )
+def _spec_schema(model: type[BaseModel], optional: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    """``model``'s schema with optional objects defaulted, except those at the ``optional`` paths: sub-objects
+    whose mere presence means something must not be defaulted into existence."""
+    spec = _schema_of(model)
     for path in optional:
         node = spec
         for part in path:
@@ -167,22 +157,77 @@ def _strip_markers(node: Any) -> None:
             _strip_markers(value)
 
 
+TRAININGJOB_OPTIONAL = (
+    ("resources", "tpu"),
+    ("resources", "gpu"),
+    ("resources", "cpu"),
+    ("data", "synthetic"),
+    ("optimizer", "ema"),
+    ("lora",),
+    ("validation",),
+    ("export",),
+    ("tracking", "wandb"),
+    ("resources", "podRequests"),
+)
+LATENTDATASET_OPTIONAL = (("resources", "cpu"), ("resources", "gpu"))
+
+
 def trainingjob_crd() -> dict[str, Any]:
     """The CustomResourceDefinition for TrainingJob (apiextensions.k8s.io/v1)."""
-    status = _schema_of(tj.TrainingJobStatus)
+    return _crd(
+        kind=tj.KIND,
+        plural=tj.PLURAL,
+        singular=tj.SINGULAR,
+        short_names=tj.SHORT_NAMES,
+        columns=tj.PRINTER_COLUMNS,
+        description="A Wan 2.2 training run: model, data, routing, AdaptiveLoad, resources.",
+        spec=_spec_schema(tj.TrainingJobSpec, TRAININGJOB_OPTIONAL),
+        status=_schema_of(tj.TrainingJobStatus),
+    )
+
+
+def latentdataset_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition for LatentDataset (apiextensions.k8s.io/v1)."""
+    return _crd(
+        kind=lds.KIND,
+        plural=lds.PLURAL,
+        singular=lds.SINGULAR,
+        short_names=lds.SHORT_NAMES,
+        columns=lds.PRINTER_COLUMNS,
+        description="Captioned media encoded into training latents by an Indexed Job: plan, encode, finalize.",
+        spec=_spec_schema(lds.LatentDatasetSpec, LATENTDATASET_OPTIONAL),
+        status=_schema_of(lds.LatentDatasetStatus),
+    )
+
+
+def all_crds() -> list[dict[str, Any]]:
+    return [trainingjob_crd(), latentdataset_crd()]
+
+
+def _crd(
+    *,
+    kind: str,
+    plural: str,
+    singular: str,
+    short_names: tuple[str, ...],
+    columns: tuple[dict[str, Any], ...],
+    description: str,
+    spec: dict[str, Any],
+    status: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{tj.PLURAL}.{tj.GROUP}"},
+        "metadata": {"name": f"{plural}.{tj.GROUP}"},
         "spec": {
             "group": tj.GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": tj.KIND,
-                "listKind": f"{tj.KIND}List",
-                "plural": tj.PLURAL,
-                "singular": tj.SINGULAR,
-                "shortNames": list(tj.SHORT_NAMES),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short_names),
                 "categories": ["all", "wanloom"],
             },
             "versions": [
@@ -191,17 +236,17 @@ def trainingjob_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": [dict(c) for c in tj.PRINTER_COLUMNS],
+                    "additionalPrinterColumns": [dict(c) for c in columns],
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "A Wan 2.2 training run: model, data, routing, AdaptiveLoad, resources.",
+                            "description": description,
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
-                                "spec": _spec_schema(),
+                                "spec": spec,
                                 "status": status,
                             },
                         }

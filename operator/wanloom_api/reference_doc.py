@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from wanloom_api import latentdataset as lds
 from wanloom_api import trainingjob as tj
 
 _INTRO = """# TrainingJob reference (`wanloom.dev/v1alpha1`)
@@ -37,6 +38,29 @@ _CROSS_FIELD = """## Cross-field rules
 - URIs (`model.weights`, `data.uri`, `data.index`, `training.checkpoint.uri`, `adaptiveLoad.benchFile`) are
   `gs://bucket/prefix` or paths.
 - `optimizer.warmupSteps` <= `training.steps`; bucket frames are 4k+1 and sides multiples of 16.
+"""
+
+
+_DATASET_INTRO = """
+# LatentDataset reference (`wanloom.dev/v1alpha1`, short name `lds`)
+
+A corpus of captioned media encoded into the latent shards a TrainingJob reads (format: docs/data-format.md). The
+operator runs it as three batch Jobs: plan (counts the inputs and work units), encode (an Indexed Job, one
+completion per unit of `samplesPerShard` inputs, `workers` pods at a time), finalize (writes `index.json` and
+`skipped.json`); `wanloom data build FILE` runs the same steps on one machine. A TrainingJob names it in
+`spec.data.dataset`. Walk-through: docs/prepare-on-cluster.md. Example: `jobs/datasets/tiny-corpus.yaml`.
+
+## Dataset fields
+"""
+
+_DATASET_RULES = """## Dataset rules
+
+- `source`: exactly one of `manifest` and `prefix`; `resources`: exactly one of `cpu` and `gpu` (`tpu` is refused
+  until the JAX encoders land).
+- Bucket frames are 4k+1 and sides multiples of 16, each bucket listed once; URIs are `gs://bucket/prefix` or paths.
+- Inputs that cannot be used (a malformed row, a missing or empty object, an undecodable file, no caption, a clip
+  shorter than every bucket, a repeated id) are skipped and listed in `skipped.json` by kind; more than
+  `maxBadSamples` of them fail the dataset (no `index.json` is written) with the count and the first reasons.
 """
 
 
@@ -89,15 +113,26 @@ def _bounds(meta: Any) -> list[tuple[str, Any]]:
 
 
 def trainingjob_reference() -> str:
-    """The markdown field reference of TrainingJob's spec and status."""
+    """The markdown field reference of TrainingJob's spec and status, then LatentDataset's (models they share are
+    listed once, under TrainingJob)."""
     seen: list[type[BaseModel]] = []
-    queue: list[type[BaseModel]] = [tj.TrainingJobSpec, tj.TrainingJobStatus]
+    jobs = _walk([tj.TrainingJobSpec, tj.TrainingJobStatus], seen)
+    datasets = _walk([lds.LatentDatasetSpec, lds.LatentDatasetStatus], seen)
+    body = [line for model in jobs for line in _section(model)]
+    dataset_body = [line for model in datasets for line in _section(model)]
+    return "\n".join([_INTRO, "## Fields", "", *body, _CROSS_FIELD, _DATASET_INTRO, *dataset_body, _DATASET_RULES])
+
+
+def _walk(roots: list[type[BaseModel]], seen: list[type[BaseModel]]) -> list[type[BaseModel]]:
+    """The models reachable from ``roots`` that are not in ``seen`` yet, breadth first (added to ``seen``)."""
+    found: list[type[BaseModel]] = []
+    queue = list(roots)
     while queue:
         model = queue.pop(0)
         if model in seen:
             continue
         seen.append(model)
+        found.append(model)
         for field in model.model_fields.values():
             queue += _nested_models(field.annotation)
-    body = [line for model in seen for line in _section(model)]
-    return "\n".join([_INTRO, "## Fields", "", *body, _CROSS_FIELD])
+    return found

@@ -325,10 +325,23 @@ class SyntheticDataSpec(_Model):
     seed: int = Field(0, ge=0, description="Seed of the synthetic generator.")
 
 
+DATA_URI_OR_DATASET = "set exactly one of data.uri or data.dataset"
+
+
 class DataSpec(_Model):
-    uri: StorageURI = Field(
+    cel_rules: ClassVar[tuple[tuple[str, ...], ...]] = (("has(self.uri) != has(self.dataset)", DATA_URI_OR_DATASET),)
+    uri: StorageURI | None = Field(
+        None,
         min_length=1,
         description="Dataset root (gs://bucket/prefix or a path) holding WebDataset shards of precomputed latents.",
+    )
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A LatentDataset in this namespace, instead of uri: the job waits (Pending) until it is Ready, "
+        "then trains on its output, and fails with its reason if it fails.",
     )
     index: StorageURI | None = Field(None, description="Shape index file; defaults to <uri>/index.json.")
     synthetic: SyntheticDataSpec | None = Field(

@@ -18,10 +18,13 @@ import yaml
 from pydantic import ValidationError
 
 from wanloom_api import keys
+from wanloom_api.latentdataset import KIND as LATENTDATASET_KIND
+from wanloom_api.latentdataset import ONE_ACCELERATOR, ONE_SOURCE, TPU_NEEDS_JAX_ENCODERS, LatentDataset
 from wanloom_api.topology import GPUS_PER_NODE, tpu7x_slice
 from wanloom_api.trainingjob import (
     BATCH_WITHIN_EPOCH,
     COMPILE_NEEDS_TORCH,
+    DATA_URI_OR_DATASET,
     DEFAULT_BOUNDARY_RATIO,
     DEFAULT_IMAGE_TO_VIDEO_FRACTION,
     DUPLICATE_VOLUME,
@@ -69,9 +72,10 @@ class FieldError:
 
 @dataclass(frozen=True)
 class Validated:
-    """The outcome of validating one manifest: the typed job, or the errors (never both)."""
+    """The outcome of validating one manifest: the typed object (a TrainingJob or a LatentDataset), or the errors
+    (never both)."""
 
-    job: TrainingJob | None
+    job: TrainingJob | LatentDataset | None
     errors: tuple[FieldError, ...]
 
     @property
@@ -100,7 +104,7 @@ def validate_trainingjob(doc: Any) -> Validated:
 def parse_trainingjob(doc: Any, source: str = "TrainingJob") -> TrainingJob:
     """Validate and return the typed job, or raise :class:`InvalidTrainingJob` listing every error."""
     result = validate_trainingjob(doc)
-    if result.job is None:
+    if not isinstance(result.job, TrainingJob):
         raise InvalidTrainingJob(result.errors, source)
     return result.job
 
@@ -128,7 +132,68 @@ def load_trainingjob_file(path: str | Path) -> TrainingJob:
     result = results[0]
     if result.job is None:
         raise InvalidTrainingJob(result.errors, str(path))
+    if not isinstance(result.job, TrainingJob):
+        raise InvalidTrainingJob((FieldError("kind", f"expected a TrainingJob, got {result.job.kind}"),), str(path))
     return result.job
+
+
+def load_latentdataset_file(path: str | Path) -> LatentDataset:
+    """Read one LatentDataset from a YAML file; errors name the file and the field paths."""
+    results = validate_file(path)
+    if len(results) != 1:
+        raise InvalidTrainingJob(
+            (FieldError("<file>", f"expected one LatentDataset, found {len(results)}"),), str(path)
+        )
+    result = results[0]
+    if result.job is None:
+        raise InvalidTrainingJob(result.errors, str(path))
+    if not isinstance(result.job, LatentDataset):
+        raise InvalidTrainingJob((FieldError("kind", f"expected a LatentDataset, got {result.job.kind}"),), str(path))
+    return result.job
+
+
+def validate_document(doc: Any) -> Validated:
+    """Validate a TrainingJob or a LatentDataset, by its ``kind``."""
+    if isinstance(doc, dict) and doc.get("kind") == LATENTDATASET_KIND:
+        return validate_latentdataset(doc)
+    return validate_trainingjob(doc)
+
+
+def validate_latentdataset(doc: Any) -> Validated:
+    """Validate one LatentDataset object: its schema, its URIs and its buckets against its variant."""
+    try:
+        dataset = LatentDataset.model_validate(doc)
+    except ValidationError as exc:
+        return Validated(None, tuple(_from_pydantic(exc)))
+    errors = tuple(_check_dataset(dataset))
+    return Validated(None, errors) if errors else Validated(dataset, ())
+
+
+def _check_dataset(dataset: LatentDataset) -> Iterator[FieldError]:
+    spec = dataset.spec
+    uris = {
+        "spec.source.manifest": spec.source.manifest,
+        "spec.source.prefix": spec.source.prefix,
+        "spec.output": spec.output,
+        "spec.encoders.weights": spec.encoders.weights,
+    }
+    yield from _bad_uris(uris)
+    if (spec.source.manifest is None) == (spec.source.prefix is None):
+        yield FieldError("spec.source", ONE_SOURCE)
+    resources = spec.resources
+    if [resources.cpu, resources.gpu, resources.tpu].count(None) != 2:
+        yield FieldError("spec.resources", ONE_ACCELERATOR)
+    if resources.tpu is not None and spec.encoders.backend == "torch":
+        yield FieldError("spec.encoders.backend", TPU_NEEDS_JAX_ENCODERS)
+    for i, bucket in enumerate(spec.buckets):
+        path = f"spec.buckets[{i}]"
+        if (bucket.frames - 1) % 4:
+            yield FieldError(f"{path}.frames", f"{FRAMES_4K_PLUS_1} (got {bucket.frames})")
+        for name in ("height", "width"):
+            if getattr(bucket, name) % 16:
+                yield FieldError(f"{path}.{name}", f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})")
+    if len({b.pixels for b in spec.buckets}) != len(spec.buckets):
+        yield FieldError("spec.buckets", "a bucket is listed twice")
 
 
 def validate_file(path: str | Path) -> list[Validated]:
@@ -150,7 +215,7 @@ def validate_file(path: str | Path) -> list[Validated]:
         return [Validated(None, (FieldError("<file>", f"not valid YAML{at}: {getattr(exc, 'problem', exc)}"),))]
     if not docs:
         return [Validated(None, (FieldError("<file>", "holds no YAML document"),))]
-    return [validate_trainingjob(d) for d in docs]
+    return [validate_document(d) for d in docs]
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -394,6 +459,10 @@ def _check_uris(spec: TrainingJobSpec) -> Iterator[FieldError]:
         "spec.tracking.tensorboardUri": spec.tracking.tensorboard_uri,
         "spec.validation.vae": spec.validation.vae if spec.validation is not None else None,
     }
+    yield from _bad_uris(uris)
+
+
+def _bad_uris(uris: dict[str, str | None]) -> Iterator[FieldError]:
     for path, uri in uris.items():
         if uri is None:
             continue
@@ -441,6 +510,10 @@ def _check_training(spec: TrainingJobSpec) -> Iterator[FieldError]:
         for name in ("height", "width"):
             if getattr(bucket, name) % 16:
                 yield FieldError(f"{path}.{name}", f"{MULTIPLE_OF_16} (got {getattr(bucket, name)})")
+    if (spec.data.uri is None) == (spec.data.dataset is None):
+        yield FieldError("spec.data", DATA_URI_OR_DATASET)
+    if spec.data.synthetic is not None and spec.data.dataset is not None:
+        yield FieldError("spec.data.synthetic", "synthetic data is generated at data.uri; a dataset is prepared")
     if spec.data.synthetic is not None:
         held_out = spec.validation.samples if spec.validation is not None else 0
         trained = spec.data.synthetic.samples - held_out

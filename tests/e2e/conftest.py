@@ -96,17 +96,21 @@ def chart_release(cluster: Cluster) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster, chart_release: dict[str, Any]) -> dict[str, Any]:
-    """The TrainingJob CRD as the chart installed it, Established."""
+    """The TrainingJob CRD as the chart installed it, Established (and the LatentDataset CRD beside it)."""
     from kubernetes import client
 
     ext = client.ApiextensionsV1Api(cluster.api)
     deadline = time.monotonic() + 60
+    found: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        crd = ext.read_custom_resource_definition("trainingjobs.wanloom.dev")
-        if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or ()):
-            return cluster.api.sanitize_for_serialization(crd)
+        for name in ("trainingjobs.wanloom.dev", "latentdatasets.wanloom.dev"):
+            crd = ext.read_custom_resource_definition(name)
+            if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or ()):
+                found[name] = cluster.api.sanitize_for_serialization(crd)
+        if len(found) == 2:
+            return found["trainingjobs.wanloom.dev"]
         time.sleep(0.5)
-    raise AssertionError("trainingjobs.wanloom.dev not Established after 60 s")
+    raise AssertionError(f"the wanloom CRDs are not Established after 60 s (only {sorted(found)})")
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,12 @@ import pytest
 import yaml
 
 from wanloom_api.trainingjob import GROUP, PLURAL, VERSION
-from wanloom_api.validation import validate_file, validate_trainingjob
+from wanloom_api.validation import validate_document, validate_file, validate_trainingjob
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+DATASET_FILES = sorted((ROOT / "jobs" / "datasets").glob("*.yaml"))
+DATASETS = "latentdatasets"
 INVALID = Path(__file__).resolve().parents[1] / "api" / "invalid"
 
 
@@ -34,9 +36,20 @@ def _create(cluster: Any, namespace: str, doc: dict[str, Any], *, dry_run: bool 
     from kubernetes import client
 
     doc = {**doc, "metadata": {**doc.get("metadata", {}), "namespace": namespace}}
+    plural = DATASETS if doc.get("kind") == "LatentDataset" else PLURAL
     return client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, doc, field_validation="Strict", dry_run="All" if dry_run else None
+        GROUP, VERSION, namespace, plural, doc, field_validation="Strict", dry_run="All" if dry_run else None
     )
+
+
+@pytest.mark.parametrize("path", DATASET_FILES, ids=lambda p: p.stem)
+def test_every_shipped_dataset_is_admitted_with_its_defaults(
+    cluster: Any, crd: Any, namespace: str, path: Path
+) -> None:
+    doc = yaml.safe_load(path.read_text())
+    stored = _create(cluster, namespace, doc)
+    assert stored["spec"]["dtype"] == "bfloat16" and stored["spec"]["backoffLimitPerIndex"] == 3
+    assert validate_document(stored).errors == ()
 
 
 def test_the_generated_crd_is_accepted_and_established(crd: dict[str, Any]) -> None:
@@ -64,7 +77,7 @@ def _invalid_docs() -> list[tuple[str, dict[str, Any]]]:
         if any(e.path == "<file>" for result in validate_file(path) for e in result.errors):
             continue
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if isinstance(doc, dict) and doc.get("kind") == "TrainingJob":
+        if isinstance(doc, dict) and doc.get("kind") in ("TrainingJob", "LatentDataset"):
             out.append((path.stem, doc))
     return out
 
@@ -75,7 +88,7 @@ def test_broken_manifests_are_refused_with_the_field_path(
 ) -> None:
     from kubernetes import client
 
-    assert validate_trainingjob(doc).errors, f"{name}: wanloom validate must refuse it"
+    assert validate_document(doc).errors, f"{name}: wanloom validate must refuse it"
     expected = [
         line.split(":", 1)[1].strip()
         for line in (INVALID / f"{name}.yaml").read_bytes().decode("utf-8", errors="replace").splitlines()

@@ -25,8 +25,11 @@ GROUP, VERSION, PLURAL = "wanloom.dev", "v1alpha1", "trainingjobs"
 CHART_NAMESPACE, RELEASE, WATCHED = "wanloom-system", "wanloom", "wanloom-chart"
 SERVICE_ACCOUNT = "wanloom"
 # Granted for a check the API server makes on the operator's behalf, not for a request of its own: creating a
-# JobSet whose ownerReference sets blockOwnerDeletion needs `update` on the owner's finalizers.
-IMPLICIT = {("wanloom.dev", "trainingjobs/finalizers", "update")}
+# JobSet (or a dataset's Job) whose ownerReference sets blockOwnerDeletion needs `update` on the owner's finalizers.
+IMPLICIT = {
+    ("wanloom.dev", "trainingjobs/finalizers", "update"),
+    ("wanloom.dev", "latentdatasets/finalizers", "update"),
+}
 
 
 def _wait(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
@@ -139,6 +142,7 @@ def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
     api = client.CustomObjectsApi(cluster.api)
     suffix = uuid.uuid4().hex[:6]  # the watched namespace outlives a session: fresh names for each run
     run, held, queued = f"rbac-run-{suffix}", f"rbac-suspend-{suffix}", f"rbac-queued-{suffix}"
+    corpus = f"rbac-corpus-{suffix}"
     try:
         api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, _job(run))
         api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, _job(held, suspend=True))
@@ -161,6 +165,25 @@ def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
             mine = [w for w in workloads if any(r["name"] == queued for r in w["metadata"].get("ownerReferences", []))]
             return bool(mine) and all(w["spec"].get("active") is False for w in mine)
 
+        # A LatentDataset created suspended: its plan Job waits suspended until the dataset is resumed (a Job patch);
+        # KWOK's pods print the summary the steps would (kwok-stages.yaml).
+        dataset = yaml.safe_load((ROOT / "jobs" / "datasets" / "tiny-corpus.yaml").read_text())
+        dataset["metadata"] = {"name": corpus, "namespace": WATCHED}
+        summary = {"inputs": 2, "units": 1, "bad": {}, "samples": 2, "shards": 1, "skipped": {}}
+        dataset["spec"] |= {"suspend": True}
+        dataset["spec"]["resources"]["env"] = [{"name": "E2E_TERMINATION_MESSAGE", "value": json.dumps(summary)}]
+        api.create_namespaced_custom_object(GROUP, VERSION, WATCHED, "latentdatasets", dataset)
+
+        def dataset_phase() -> str | None:
+            obj = api.get_namespaced_custom_object(GROUP, VERSION, WATCHED, "latentdatasets", corpus)
+            return (obj.get("status") or {}).get("phase")
+
+        _wait(lambda: dataset_phase() == "Suspended", f"{corpus} Suspended")
+        api.patch_namespaced_custom_object(
+            GROUP, VERSION, WATCHED, "latentdatasets", corpus, {"spec": {"suspend": False}}
+        )
+        _wait(lambda: dataset_phase() == "Ready", f"{corpus} Ready after resuming")
+        api.delete_namespaced_custom_object(GROUP, VERSION, WATCHED, "latentdatasets", corpus)
         _wait(deactivated, "the queued job's Workload deactivated")
         assert phase(queued) == "Suspended"
         api.delete_namespaced_custom_object(GROUP, VERSION, WATCHED, PLURAL, queued)

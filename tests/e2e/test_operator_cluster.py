@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_operator import start_operator as _start_operator
 from e2e_wait import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -43,24 +43,6 @@ def fake_nodes(cluster: Any) -> bool:
 @pytest.fixture(scope="module")
 def namespace(k8s: Any, module_namespace: str) -> str:
     return module_namespace
-
-
-def _start_operator(
-    cluster: Any,
-    namespace: str,
-    progress_interval: float = 5,
-    settings: dict[str, str] | None = None,
-    log: Any = subprocess.PIPE,
-) -> subprocess.Popen[str]:
-    """`wanloom operator --namespace=NAMESPACE` as cluster admin, out of the cluster (``settings``: more env; ``log``:
-    where its output goes, a file where it logs more than a pipe holds)."""
-    env = {**os.environ, "WANLOOM_PROGRESS_INTERVAL_SECONDS": str(progress_interval), "WANLOOM_LOG_FORMAT": "plain",
-           "KUBECONFIG": cluster.kubeconfig, **(settings or {})}  # fmt: skip
-    if TRAINER_IMAGE:
-        env |= {"WANLOOM_TRAINER_IMAGE_JAX": TRAINER_IMAGE, "WANLOOM_TRAINER_IMAGE_TORCH": TRAINER_IMAGE}
-    command = [sys.executable, "-c", "from wanloom_cli import main; main()", "operator"]
-    command += [f"--namespace={namespace}", "--metrics-port=0", "--liveness-port=0"]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")

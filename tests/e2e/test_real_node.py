@@ -518,3 +518,147 @@ def _seconds(rfc3339: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def _tiny_media() -> Any:
+    """tests/trainer/data/tiny_media.py: the tiny encoders and the video writer of the data tests."""
+    path = ROOT / "tests" / "trainer" / "data" / "tiny_media.py"
+    spec = importlib.util.spec_from_file_location("wanloom_e2e_tiny_media", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _corpus(folder: Path, media: Any) -> tuple[list[dict[str, Any]], set[str]]:
+    """40 manifest rows: images of assorted sizes and short mp4 clips, plus broken ones (corrupt, empty, missing,
+    uncaptioned, too short for every bucket); returns the rows and the ids that must be skipped."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    words = list(media.TOKENIZER_WORDS)
+    rows = []
+    for i in range(30):
+        name = f"img-{i:02d}.png"
+        h, w = int(rng.integers(48, 120)), int(rng.integers(48, 120))
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / name)
+        rows.append({"path": name, "caption": " ".join(rng.choice(words, 5)), "id": f"img-{i:02d}"})
+    for i in range(5):
+        name = f"clip-{i}.mp4"
+        media.write_video(folder / name, frames=12 + 4 * i, height=64 + 8 * i, width=72, fps=16)
+        rows.append({"path": name, "caption": f"the dog runs {i}", "id": f"clip-{i}"})
+    (folder / "corrupt.png").write_bytes(b"\x89PNG not really")
+    (folder / "empty.mp4").write_bytes(b"")
+    media.write_video(folder / "short.mp4", frames=3, height=64, width=64, fps=16)  # shorter than every clip bucket
+    rows += [
+        {"path": "corrupt.png", "caption": "a cat", "id": "corrupt"},
+        {"path": "empty.mp4", "caption": "a dog", "id": "empty"},
+        {"path": "gone.png", "caption": "a bird", "id": "gone"},
+        {"path": "img-00.png", "id": "uncaptioned"},
+        {"path": "short.mp4", "caption": "a blue sky", "id": "short"},
+    ]
+    broken = {"corrupt", "empty", "gone", "uncaptioned", "short"}
+    return rows, broken
+
+
+def test_a_latentdataset_is_encoded_by_two_pods_and_a_trainingjob_trains_on_it(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str, tmp_path: Path
+) -> None:
+    """The LatentDataset path in real containers: a JSONL manifest and 40 media in the GCS emulator, the tiny
+    encoders' weights there too; the operator plans, runs the Indexed encode Job as two pods of the TPU image (the
+    JAX encoders on the CPU; no PyTorch in that image) and finalizes; one encode pod is deleted mid-run and its unit
+    is redone. Every tensor equals a single-process `wanloom data prepare` of the same manifest, the skipped list
+    names exactly the broken inputs, and a TrainingJob that named the dataset waited, then trained on it."""
+    import numpy as np
+
+    from wanloom_trainer.checkpoint.gcs import GcsLocation, upload_dir
+    from wanloom_trainer.data.bucketing import parse_bucket
+    from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
+    from wanloom_trainer.data.reader import open_dataset
+
+    os.environ["STORAGE_EMULATOR_HOST"] = storage
+    os.environ.setdefault("GOOGLE_CLOUD_PROJECT", "wanloom-test")
+    media = _tiny_media()
+    root = f"gs://{BUCKET}/{namespace}"
+    encoders = media.write_tiny_encoders(tmp_path / "encoders")
+    upload_dir(encoders, GcsLocation.parse(f"{root}/encoders"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows, broken = _corpus(corpus, media)
+    (corpus / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    upload_dir(corpus, GcsLocation.parse(f"{root}/corpus"))
+
+    placement = {"nodeSelector": {node["label"]: "true"},
+                 "tolerations": [{"key": node["label"], "operator": "Exists", "effect": "NoSchedule"}]}  # fmt: skip
+    buckets = [{"frames": 1, "height": 64, "width": 64}, {"frames": 9, "height": 64, "width": 64}]
+    dataset = {
+        "apiVersion": "wanloom.dev/v1alpha1",
+        "kind": "LatentDataset",
+        "metadata": {"name": "corpus", "namespace": namespace},
+        "spec": {
+            "source": {"manifest": f"{root}/corpus/manifest.jsonl"},
+            "output": f"{root}/latents",
+            "encoders": {"variant": "tiny", "weights": f"{root}/encoders", "batchSize": 2},
+            "buckets": buckets,
+            "dtype": "float32",
+            "samplesPerShard": 10,
+            "workers": 2,
+            "maxBadSamples": 10,
+            "resources": {"cpu": {"cpu": "750m", "memory": "2Gi"}, "image": node["images"][1], **placement},
+        },
+    }
+    api = k8s.client.CustomObjectsApi()
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", dataset)
+    job = _trainingjob("on-corpus", namespace, node, steps=6, interval=3)
+    job["spec"]["data"] = {"dataset": "corpus"}
+    job["spec"]["resources"]["cpu"] = {"nodes": 1, "devicesPerNode": 1}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+
+    def dataset_status() -> dict[str, Any]:
+        obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", "corpus")
+        return obj.get("status") or {}
+
+    # Mid-encode: one of the two encode pods deleted; its unit is retried by the Indexed Job.
+    core = k8s.client.CoreV1Api()
+    selector = "wanloom.dev/latentdataset=corpus,wanloom.dev/dataset-step=encode"
+    running = _wait(lambda: [p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+                             if p.status.phase == "Running"] or None, "a running encode pod")  # fmt: skip
+    assert _status(k8s, namespace, "on-corpus").get("phase") == "Pending"  # waits for its data
+    victim = running[0].metadata.name
+    core.delete_namespaced_pod(victim, namespace, grace_period_seconds=0)
+    status = _wait(lambda: (s := dataset_status()).get("phase") in ("Ready", "Failed") and s, "the dataset Ready")
+    pods = core.list_namespaced_pod(namespace, label_selector="wanloom.dev/latentdataset=corpus").items
+    print(f"injected: encode pod {victim} deleted mid-run; found: {status.get('phase')}, {status.get('message')!r}")
+    assert status["phase"] == "Ready", (status, _logs(k8s, namespace, pods))
+    assert status["shardsTotal"] == status["shardsDone"] == 4 and status["inputs"] == 40
+    assert status["samplesEncoded"] == 35 and sum(status["skipped"].values()) == len(broken), status
+
+    # The same manifest prepared in one process here (the JAX encoders, as in the pods): the same tensors.
+    config = PrepareConfig(
+        inputs=f"{root}/corpus/manifest.jsonl", output=str(tmp_path / "single"), model=encoders, variant="tiny",
+        buckets=tuple(parse_bucket(f"{b['frames']}x{b['height']}x{b['width']}") for b in buckets), batch_size=2,
+        samples_per_shard=10, dtype="float32", encoders="jax",
+    )  # fmt: skip
+    single = prepare(config, progress=False)
+    assert {s["source"] for s in single.skipped} == broken
+    from wanloom_trainer.data.storage import open_storage
+
+    skipped = json.loads(open_storage(f"{root}/latents").read("skipped.json"))
+    assert {s["source"] for s in skipped} == broken, skipped
+    with (
+        open_dataset(f"{root}/latents", max_bad_samples=0) as built,
+        open_dataset(str(tmp_path / "single"), max_bad_samples=0) as ref,
+    ):
+        assert list(built.index.sources) == list(ref.index.sources)
+        for i, shape in enumerate(ref.index.latent_shapes.tolist()):
+            a, b = built.load([i], tuple(shape)), ref.load([i], tuple(shape))
+            np.testing.assert_allclose(a.latents, b.latents, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a.text_embeds, b.text_embeds, rtol=1e-5, atol=1e-6)
+
+    trained = _wait(
+        lambda: (s := _status(k8s, namespace, "on-corpus")).get("phase") in ("Succeeded", "Failed") and s,
+        "the TrainingJob on the dataset to finish",
+    )
+    assert trained["phase"] == "Succeeded", (trained, _logs(k8s, namespace, _pods(k8s, namespace, "on-corpus")))
+    ready = next(c for c in trained["conditions"] if c["type"] == "DataReady")
+    assert ready["status"] == "True", trained

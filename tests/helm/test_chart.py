@@ -245,7 +245,8 @@ def test_replicas_coordinate_through_a_cluster_peering(render: Render) -> None:
     assert peering["metadata"]["name"] == "wanloom"
     assert "post-install" in peering["metadata"]["annotations"]["helm.sh/hook"]  # after its CRD exists
     crd_names = {c["metadata"]["name"] for c in by_kind(objects, "CustomResourceDefinition")}
-    assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "trainingjobs.wanloom.dev"} == crd_names
+    assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "trainingjobs.wanloom.dev",
+            "latentdatasets.wanloom.dev"} == crd_names  # fmt: skip
 
 
 def test_namespaced_operator_watches_and_peers_per_namespace(render: Render) -> None:
@@ -279,6 +280,10 @@ OPERATOR_RULES = {
     ("kueue.x-k8s.io", "workloads"): {"list", "patch"},
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
+    ("wanloom.dev", "latentdatasets"): {"get", "list", "watch", "patch"},
+    ("wanloom.dev", "latentdatasets/status"): {"patch"},
+    ("wanloom.dev", "latentdatasets/finalizers"): {"update"},
+    ("batch", "jobs"): {"get", "list", "watch", "create", "patch"},
 }
 READ = {"get", "list", "watch"}
 PEER = {"get", "list", "watch", "patch"}

@@ -88,4 +88,18 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# LatentDatasets: kopf watches and annotates them; the operator writes their status and owns their step Jobs.
+- apiGroups: ["wanloom.dev"]
+  resources: ["latentdatasets"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["wanloom.dev"]
+  resources: ["latentdatasets/status"]
+  verbs: ["patch"]
+- apiGroups: ["wanloom.dev"]
+  resources: ["latentdatasets/finalizers"]
+  verbs: ["update"]
+# A dataset's plan, encode (Indexed) and finalize Jobs; suspend is a patch; garbage collection deletes them.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end -}}

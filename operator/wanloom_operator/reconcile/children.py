@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from wanloom_api import conditions as cond
 from wanloom_api import keys
+from wanloom_api.latentdataset import DatasetPhase
 from wanloom_api.trainingjob import API_VERSION, KIND, TrainingJob
-from wanloom_api.validation import FieldError, InvalidTrainingJob, validate_trainingjob
+from wanloom_api.validation import FieldError, InvalidTrainingJob, validate_trainingjob, with_spec
 from wanloom_operator.reconcile.cluster import ApiError
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.reconcile.status import Intent, derive_phase
@@ -118,6 +119,11 @@ async def reconcile_children(body: Mapping[str, Any], runtime: Runtime, now: str
     if status.get("phase") in cond.TERMINAL_PHASES:
         return out  # finished: leave the JobSet (or its absence after its TTL) alone
     job, names = result.job, rendered.names
+    if job.spec.data.dataset is not None:
+        resolved = await _with_dataset(out, job, runtime)
+        if resolved is None:
+            return out
+        job, rendered = resolved, render_trainingjob(resolved, runtime.settings, owner_uid=_uid(body))
     current = await runtime.cluster.get_jobset(rendered.jobset["metadata"]["namespace"], names.jobset)
     if current is None and status.get("createdSpecHash") == rendered.spec_hash:
         _gone(out, status, names.jobset)
@@ -128,6 +134,44 @@ async def reconcile_children(body: Mapping[str, Any], runtime: Runtime, now: str
     else:
         await _sync_existing(out, current, rendered, job, runtime)
     return out
+
+
+async def _with_dataset(out: Outcome, job: TrainingJob, runtime: Runtime) -> TrainingJob | None:
+    """The job reading its LatentDataset's output, once that is Ready; None while it waits (phase Pending) or after
+    the dataset failed (phase Failed, with the dataset's message). The dataset's status changes reconcile the jobs
+    that name it (dataset handlers), so nothing polls."""
+    name = job.spec.data.dataset
+    assert name is not None
+    found = await runtime.cluster.get_latentdataset(job.metadata.namespace or "default", name)
+    verdict, message, uri = dataset_gate(found, name)
+    if verdict == "ready" and uri:
+        out.set(cond.ConditionType.DATA_READY, "True", cond.Reason.DATASET_READY, message)
+        return with_spec(job, data={"uri": uri, "dataset": None})
+    if verdict == "fail":
+        out.set(cond.ConditionType.DATA_READY, "False", cond.Reason.DATASET_FAILED, message)
+        out.set(cond.ConditionType.FAILED, "True", cond.Reason.DATASET_FAILED, message)
+        out.phase, out.phase_unless_created = cond.Phase.FAILED, True
+        out.event("Warning", cond.Reason.DATASET_FAILED, message)
+    else:
+        reason = cond.Reason.DATASET_NOT_FOUND if found is None else cond.Reason.WAITING_FOR_DATASET
+        out.set(cond.ConditionType.DATA_READY, "False", reason, message)
+        out.phase, out.phase_unless_created = cond.Phase.PENDING, True
+    out.fields["message"] = message
+    return None
+
+
+def dataset_gate(dataset: Mapping[str, Any] | None, name: str) -> tuple[str, str, str | None]:
+    """Whether a TrainingJob naming LatentDataset ``name`` may start: ("ready" | "wait" | "fail", message, uri)."""
+    if dataset is None:
+        return "wait", f"waiting for LatentDataset {name}, which does not exist (yet)", None
+    status = dataset.get("status") or {}
+    phase = status.get("phase")
+    if phase == DatasetPhase.READY:
+        return "ready", f"LatentDataset {name} is Ready", status.get("outputUri")
+    if phase in (DatasetPhase.FAILED, DatasetPhase.INVALID):
+        return "fail", f"LatentDataset {name} {str(phase).lower()}: {status.get('message') or ''}".strip(), None
+    progress = status.get("message") or "not started"
+    return "wait", f"waiting for LatentDataset {name} ({phase or 'Pending'}: {progress})", None
 
 
 def manifest(body: Mapping[str, Any]) -> dict[str, Any]:

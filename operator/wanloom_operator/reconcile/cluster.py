@@ -15,6 +15,7 @@ from typing import Any
 import kubernetes
 import urllib3
 
+from wanloom_api import latentdataset as lds
 from wanloom_api import trainingjob as tj
 from wanloom_operator.settings import OperatorSettings
 
@@ -52,6 +53,7 @@ class Cluster:
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
         self._core = kubernetes.client.CoreV1Api(api_client)
+        self._batch = kubernetes.client.BatchV1Api(api_client)
 
     @classmethod
     def connect(cls, settings: OperatorSettings) -> Cluster:
@@ -114,6 +116,10 @@ class Cluster:
             _call(self._custom.get_namespaced_custom_object, tj.GROUP, tj.VERSION, namespace, tj.PLURAL, name)
         )
 
+    async def list_trainingjobs(self, namespace: str) -> list[dict[str, Any]]:
+        fn = self._custom.list_namespaced_custom_object
+        return list((await _call(fn, tj.GROUP, tj.VERSION, namespace, tj.PLURAL)).get("items") or [])
+
     async def update_trainingjob_status(
         self,
         namespace: str,
@@ -128,32 +134,64 @@ class Cluster:
         when the caller has the object already (a kopf handler's body), saves the first read.
         Returns what was written, None if nothing was (or the TrainingJob is gone).
         """
-        trainingjob = dict(current) if current is not None else None
+        return await self._update_status(tj.PLURAL, namespace, name, compute, current, attempts)
+
+    # LatentDatasets
+    async def get_latentdataset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await _maybe(
+            _call(self._custom.get_namespaced_custom_object, lds.GROUP, lds.VERSION, namespace, lds.PLURAL, name)
+        )
+
+    async def update_latentdataset_status(
+        self,
+        namespace: str,
+        name: str,
+        compute: Callable[[dict[str, Any]], dict[str, Any] | None],
+        current: Mapping[str, Any] | None = None,
+        attempts: int = 5,
+    ) -> dict[str, Any] | None:
+        """As :meth:`update_trainingjob_status`, for a LatentDataset."""
+        return await self._update_status(lds.PLURAL, namespace, name, compute, current, attempts)
+
+    # Jobs (a LatentDataset's plan, encode and finalize steps)
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await _maybe(_call(self._batch.read_namespaced_job, name, namespace))
+
+    async def create_job(self, body: dict[str, Any]) -> None:
+        await _call(self._batch.create_namespaced_job, body["metadata"]["namespace"], body)
+
+    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await _call(self._batch.patch_namespaced_job, name, namespace, patch, _content_type=MERGE_PATCH)
+
+    async def _update_status(
+        self,
+        plural: str,
+        namespace: str,
+        name: str,
+        compute: Callable[[dict[str, Any]], dict[str, Any] | None],
+        current: Mapping[str, Any] | None,
+        attempts: int,
+    ) -> dict[str, Any] | None:
+        obj = dict(current) if current is not None else None
+        get = self.get_trainingjob if plural == tj.PLURAL else self.get_latentdataset
         for _ in range(attempts):
-            if trainingjob is None:
-                trainingjob = await self.get_trainingjob(namespace, name)
-            patch = compute(trainingjob) if trainingjob is not None else None
+            if obj is None:
+                obj = await get(namespace, name)
+            patch = compute(obj) if obj is not None else None
             if not patch:
                 return None
             body: dict[str, Any] = {"status": patch}
-            version = (trainingjob.get("metadata") or {}).get("resourceVersion")
+            version = (obj.get("metadata") or {}).get("resourceVersion")
             if version:
                 body["metadata"] = {"resourceVersion": version}  # optimistic lock: merge-patch precondition
+            fn = self._custom.patch_namespaced_custom_object_status
             try:
-                await _call(
-                    self._custom.patch_namespaced_custom_object_status,
-                    tj.GROUP,
-                    tj.VERSION,
-                    namespace,
-                    tj.PLURAL,
-                    name,
-                    body,
-                )
+                await _call(fn, tj.GROUP, tj.VERSION, namespace, plural, name, body)
                 return patch
             except ApiError as exc:
                 if not exc.conflict:
                     raise
-                trainingjob = None  # someone wrote in between: read again
+                obj = None  # someone wrote in between: read again
         raise ApiError(409, "Conflict", f"the status of {namespace}/{name} kept changing; {attempts} attempts")
 
     def _custom_call(self, method: str, namespace: str, **kwargs: Any) -> Any:

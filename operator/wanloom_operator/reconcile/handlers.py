@@ -19,14 +19,17 @@ from typing import Any
 import kopf
 
 from wanloom_api import keys
+from wanloom_api import latentdataset as lds
 from wanloom_api import trainingjob as tj
 from wanloom_api.conditions import TERMINAL_PHASES, Phase
-from wanloom_operator.reconcile import children, observe
+from wanloom_operator.reconcile import children, datasets, observe
 from wanloom_operator.reconcile.cluster import API_THREADS, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, ApiError
 from wanloom_operator.reconcile.runtime import Runtime
+from wanloom_operator.render.dataset import LABEL_DATASET
 from wanloom_operator.settings import OperatorSettings
 
 TRAININGJOBS = (tj.GROUP, tj.VERSION, tj.PLURAL)
+LATENTDATASETS = (lds.GROUP, lds.VERSION, lds.PLURAL)
 JOBSETS = (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)
 MANAGED = {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}
 UNTRACKED_PHASES = TERMINAL_PHASES | {Phase.INVALID}
@@ -134,6 +137,51 @@ async def track(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, l
             raise
         # kopf stops a daemon (job finished or deleted, operator exiting) by setting its flag, then cancelling
         # it: for the tracker, asleep between passes, that is the normal end, not an error to log.
+
+
+@kopf.on.create(*LATENTDATASETS)
+@kopf.on.resume(*LATENTDATASETS)
+@kopf.on.update(*LATENTDATASETS, field="spec")
+async def dataset_changed(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    await _reconcile_dataset(body, memo.runtime, retry)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, LABEL_DATASET: kopf.PRESENT})
+async def dataset_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A step's Job changed (an index finished, the Job ended): advance its dataset."""
+    owner = next((r for r in body.metadata.get("ownerReferences") or [] if r.get("kind") == lds.KIND), None)
+    if type == "DELETED" or owner is None:
+        return
+    dataset = await memo.runtime.cluster.get_latentdataset(body.metadata["namespace"], owner["name"])
+    if dataset is not None:
+        await _reconcile_dataset(dataset, memo.runtime, retry=0)
+
+
+async def _reconcile_dataset(body: Mapping[str, Any], runtime: Runtime, retry: int) -> None:
+    try:
+        with runtime.metrics.handler("dataset"):
+            outcome = await datasets.reconcile_dataset(body, runtime)
+    except ApiError as exc:
+        if exc.transient or exc.conflict:
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=min(2.0**retry, 30.0)) from None
+        raise kopf.PermanentError(f"Kubernetes API: {exc}") from None
+    meta = body["metadata"]
+    written = await runtime.cluster.update_latentdataset_status(
+        meta["namespace"], meta["name"], lambda fresh: outcome.status_patch(fresh.get("status") or {}), current=body
+    )
+    for event in outcome.events:
+        kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)
+    if written and "phase" in written:
+        await _wake_trainingjobs(meta["namespace"], meta["name"], runtime)
+
+
+async def _wake_trainingjobs(namespace: str, dataset: str, runtime: Runtime) -> None:
+    """The TrainingJobs waiting for ``dataset``, after its phase changed: their DataReady condition says so; Ready
+    starts them, Failed fails them with its reason."""
+    for trainingjob in await runtime.cluster.list_trainingjobs(namespace):
+        waiting = ((trainingjob.get("spec") or {}).get("data") or {}).get("dataset") == dataset
+        if waiting and (trainingjob.get("status") or {}).get("phase") not in UNTRACKED_PHASES:
+            await _write(await children.reconcile_children(trainingjob, runtime), trainingjob, runtime)
 
 
 async def _reconcile(handler: str, body: kopf.Body, runtime: Runtime, retry: int) -> None:

@@ -7,8 +7,9 @@ AutoencoderKLWan / UMT5EncoderModel built and saved here, the media are generate
 from __future__ import annotations
 
 import http.client
-import os
+import json
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tiny_media beside this file (test dirs are not packages)
+from tiny_media import write_tiny_encoders, write_video
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "upgrade"}
 
@@ -104,50 +108,7 @@ def flaky_gcs(gcs: str, gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> Ite
 @pytest.fixture(scope="session")
 def tiny_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A diffusers-layout root (vae/, text_encoder/, tokenizer/) with random weights sized for the tiny variant."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from diffusers import AutoencoderKLWan
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-
-    root = tmp_path_factory.mktemp("tiny-wan")
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, latents_mean=[0.1] * 4, latents_std=[0.5] * 4
-    )
-    vae.save_pretrained(root / "vae")
-    words = [
-        "<pad>",
-        "</s>",
-        "<unk>",
-        *[
-            "a",
-            "an",
-            "the",
-            "red",
-            "blue",
-            "green",
-            "cat",
-            "dog",
-            "bird",
-            "runs",
-            "sits",
-            "flies",
-            "on",
-            "in",
-            "grass",
-            "sky",
-        ],
-    ]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(root / "tokenizer")
-    config = UMT5Config(vocab_size=len(words), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
-    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
-    return root
+    return write_tiny_encoders(tmp_path_factory.mktemp("tiny-wan"))
 
 
 @dataclass(frozen=True)
@@ -155,21 +116,6 @@ class MediaSet:
     folder: Path
     good: tuple[str, ...]  # sources prepare must encode
     bad: tuple[str, ...]  # sources it must skip
-
-
-def write_video(path: Path, frames: int, height: int, width: int, fps: int) -> None:
-    import av
-
-    with av.open(str(path), mode="w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        yy, xx = np.mgrid[0:height, 0:width]
-        for i in range(frames):
-            rgb = np.stack([(xx * 3 + i * 8) % 256, (yy * 3) % 256, np.full_like(xx, 40 * (i % 6))], -1)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
 
 
 @pytest.fixture
@@ -200,3 +146,32 @@ def media_set(tmp_path_factory: pytest.TempPathFactory) -> MediaSet:
     for name, text in captions.items():
         (folder / name).with_suffix(".txt").write_text(text)
     return MediaSet(folder, ("a.png", "b.jpg", "clip.mp4", "sub/c.png"), ("broken.png",))
+
+
+@pytest.fixture
+def corpus(gcs: str, media_set, video_writer, tmp_path: Path) -> str:  # type: ignore[no-untyped-def]
+    """The media set in a bucket, plus a 3 s clip at 16 fps, under a JSONL manifest that cuts two clips from it."""
+    from wanloom_trainer.data.storage import open_storage
+
+    storage = open_storage(gcs)
+    for name in ("a.png", "b.jpg", "sub/c.png", "clip.mp4", "broken.png"):
+        storage.upload(f"media/{name}", media_set.folder / name)
+    video_writer(tmp_path / "long.mp4", frames=48, height=72, width=88, fps=16)
+    storage.upload("media/long.mp4", tmp_path / "long.mp4")
+    storage.write("captions/b.txt", b"a blue bird flies in the sky\n")
+    rows = [
+        {"path": "media/a.png", "caption": "a red cat sits on the grass", "id": "cat"},
+        {"path": "media/b.jpg", "caption_path": "captions/b.txt"},
+        {"path": f"{gcs}/media/clip.mp4", "caption": "a dog runs on the grass"},
+        {"path": "media/broken.png", "caption": "a cat"},
+        {"path": "media/long.mp4", "caption": "the first second", "start": 0.0, "end": 1.0},
+        {"path": "media/long.mp4", "caption": "from 1.5 s on", "start": 1.5},
+        {"path": "media/sub/c.png", "caption": "the green dog runs"},
+        {"path": "media/missing.png", "caption": "not there"},
+    ]
+    storage.write("corpus/manifest.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
+    # The manifest's relative paths are relative to its own folder.
+    for name in ("media", "captions"):
+        for obj in storage.list(name):
+            storage.write(f"corpus/{obj}", storage.read(obj))
+    return f"{gcs}/corpus/manifest.jsonl"

@@ -76,9 +76,9 @@ def test_round_trip_prepare_plan_load_returns_the_written_tensors(
     assert [s["source"] for s in result.skipped] == list(media_set.bad)
     by_source = dict(zip(index.sources, index.latent_shapes.tolist(), strict=True))
     assert by_source == {"a.png": [1, 8, 12], "b.jpg": [1, 12, 8], "sub/c.png": [1, 8, 8], "clip.mp4": [3, 8, 8]}
-    # The spy saw samples in write order: shard by shard, batch by batch, which is index order; then the empty
-    # prompt, encoded once for caption dropout.
-    *texts, empty = spy.texts
+    # The spy saw the empty prompt first (encoded once for caption dropout, by the first worker that loads the
+    # encoders, so a finalize step needs none), then samples in write order: shard by shard, batch by batch.
+    empty, *texts = spy.texts
     written = dict(zip(index.keys, zip(spy.latents, texts, strict=True), strict=True))
     np.testing.assert_array_equal(empty, spy.inner.encode_text([""], get_variant("tiny").text_len)[0])
 
@@ -167,14 +167,19 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
         prepare(_config(media_set.folder, str(out), tiny_model_root, buckets=BUCKETS[:2]), progress=False)
 
 
-def test_missing_captions_are_listed(tmp_path: Path) -> None:
+def test_missing_empty_and_non_utf8_captions_are_skipped_not_fatal(tmp_path: Path) -> None:
     from PIL import Image
 
-    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
-    Image.new("RGB", (32, 32)).save(tmp_path / "y.png")
+    for name in ("x", "y", "z", "ok"):
+        Image.new("RGB", (32, 32)).save(tmp_path / f"{name}.png")
     (tmp_path / "y.txt").write_text("   ")
-    with pytest.raises(ValueError, match=r"2 sources have no caption.*x\.txt.*y\.txt"):
-        read_sources(tmp_path)
+    (tmp_path / "z.txt").write_bytes(b"\xff\xfe caption")
+    (tmp_path / "ok.txt").write_text("a caption")
+    items = read_sources(tmp_path)
+    assert [i.source for i in items] == ["ok.png", "x.png", "y.png", "z.png"]  # ordinals fixed by the listing
+    assert items[0].problem is None and items[0].caption == "a caption"
+    for item, sidecar in zip(items[1:], ("x.txt", "y.txt", "z.txt"), strict=True):
+        assert item.problem is not None and item.problem.startswith("no-caption: ") and sidecar in item.problem
 
 
 def test_encoders_that_do_not_fit_the_variant_are_refused(tmp_path: Path, media_set, tiny_model_root: Path) -> None:

@@ -8,6 +8,7 @@ where it is, through ranged reads, and encoded by the tiny Wan VAE / umT5 (diffu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -20,40 +21,13 @@ from wanloom_trainer.data.bucketing import parse_bucket
 from wanloom_trainer.data.format import EncodedSample
 from wanloom_trainer.data.index import DatasetHeader
 from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
-from wanloom_trainer.data.prepare.sources import read_sources
+from wanloom_trainer.data.prepare.sources import read_sources, skip_kind
 from wanloom_trainer.data.prepare.writer import DatasetWriter
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.storage import open_storage
 
 BUCKETS = tuple(parse_bucket(b) for b in ("1x64x64", "1x64x96", "1x96x64", "9x64x64"))
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-def corpus(gcs: str, media_set, video_writer, tmp_path: Path) -> str:  # type: ignore[no-untyped-def]
-    """The media set in a bucket, plus a 3 s clip at 16 fps, under a JSONL manifest that cuts two clips from it."""
-    storage = open_storage(gcs)
-    for name in ("a.png", "b.jpg", "sub/c.png", "clip.mp4", "broken.png"):
-        storage.upload(f"media/{name}", media_set.folder / name)
-    video_writer(tmp_path / "long.mp4", frames=48, height=72, width=88, fps=16)
-    storage.upload("media/long.mp4", tmp_path / "long.mp4")
-    storage.write("captions/b.txt", b"a blue bird flies in the sky\n")
-    rows = [
-        {"path": "media/a.png", "caption": "a red cat sits on the grass", "id": "cat"},
-        {"path": "media/b.jpg", "caption_path": "captions/b.txt"},
-        {"path": f"{gcs}/media/clip.mp4", "caption": "a dog runs on the grass"},
-        {"path": "media/broken.png", "caption": "a cat"},
-        {"path": "media/long.mp4", "caption": "the first second", "start": 0.0, "end": 1.0},
-        {"path": "media/long.mp4", "caption": "from 1.5 s on", "start": 1.5},
-        {"path": "media/sub/c.png", "caption": "the green dog runs"},
-        {"path": "media/missing.png", "caption": "not there"},
-    ]
-    storage.write("corpus/manifest.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
-    # The manifest's relative paths are relative to its own folder.
-    for name in ("media", "captions"):
-        for obj in storage.list(name):
-            storage.write(f"corpus/{obj}", storage.read(obj))
-    return f"{gcs}/corpus/manifest.jsonl"
 
 
 def _config(inputs: str, output: str, model: Path) -> PrepareConfig:
@@ -148,23 +122,27 @@ def test_two_writers_of_one_shard_with_other_bytes_leave_one_consistent_shard(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"caption": "x"}', r"row 1: 'path' must name the media file"),
-        ('{"path": "a.png"}', r"row 1: needs a non-empty 'caption' or a 'caption_path'"),
-        ('{"path": "a.txt", "caption": "x"}', r"row 1: path 'a.txt' is neither an image nor a video"),
-        ('{"path": "a.mp4", "caption": "x", "start": 2, "end": 1}', r"row 1: end 1 s must be after start 2 s"),
-        ('{"path": "a.mp4", "caption": "x", "start": "soon"}', r"row 1: 'start' must be seconds >= 0, got 'soon'"),
-        ('{"path": "a.png", "caption": "x", "begin": 1}', r"row 1: unknown field\(s\) begin; valid: caption, "),
-        ('{"path": "a.png", "caption": "x", "id": "k"}\n{"path": "b.png", "caption": "y", "id": "k"}',
-         r"row 2: id 'k' repeats row 1"),
-        ("[1, 2]", r"line 1: a row must be a JSON object"),
-        ('{"path": ', r"line 1: not JSON"),
+        ('{"caption": "x"}', r"bad-row: manifest {m} row 1: 'path' must name the media file"),
+        ('{"path": "a.png"}', r"no-caption: manifest {m} row 1: needs a non-empty 'caption' or a 'caption_path'"),
+        ('{"path": "a.png", "caption_path": "gone.txt"}', r"no-caption: manifest {m} row 1: caption_path .*gone"),
+        ('{"path": "a.txt", "caption": "x"}', r"bad-row: manifest {m} row 1: path 'a.txt' is neither an image nor"),
+        ('{"path": "a.mp4", "caption": "x", "start": 2, "end": 1}', r"bad-row: manifest {m} row 1: end 1 s must be"),
+        ('{"path": "a.mp4", "caption": "x", "start": "soon"}', r"bad-row: manifest {m} row 1: 'start' must be seconds"),
+        ('{"path": "a.png", "caption": "x", "begin": 1}', r"bad-row: manifest {m} row 1: unknown field\(s\) begin"),
+        ('{"path": "b.png", "caption": "y", "id": "k"}\n{"path": "a.png", "caption": "x", "id": "k"}',
+         r"duplicate-id: manifest {m} row 2: id 'k' repeats row 1"),
+        ("[1, 2]", r"bad-row: manifest {m} line 1: a row must be a JSON object"),
+        ('{"path": ', r"bad-row: manifest {m} line 1: not JSON"),
     ],
 )  # fmt: skip
-def test_bad_manifest_rows_are_one_line_errors_naming_the_row_and_field(tmp_path: Path, text: str, message: str):
+def test_a_bad_manifest_row_is_skipped_in_place_with_its_row_and_field(tmp_path: Path, text: str, message: str):
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text(text + "\n")
-    with pytest.raises(ValueError, match=rf"manifest {manifest} {message}"):
-        read_sources(str(manifest))
+    manifest.write_text(text + '\n{"path": "good.png", "caption": "fine"}\n')
+    items = read_sources(str(manifest))
+    bad, good = items[-2], items[-1]
+    assert re.match(message.format(m=re.escape(str(manifest))), bad.problem or ""), bad.problem
+    assert good.problem is None and good.caption == "fine" and good.ordinal == len(items) - 1  # order kept
+    assert skip_kind(bad.problem or "") == (bad.problem or "").split(":")[0]
 
 
 def test_csv_and_parquet_manifests_and_the_units_command(tmp_path: Path, media_set) -> None:  # type: ignore[no-untyped-def]

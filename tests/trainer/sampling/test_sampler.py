@@ -69,7 +69,7 @@ def test_media_files_decode_and_read_back(tmp_path: Path) -> None:
 
 
 def test_saved_latents_decode_later_with_the_cli(tmp_path: Path) -> None:
-    """The TPU image saves latents only; `wanloom decode-samples` makes the clips wherever PyTorch runs."""
+    """A folder of latents alone (saved where no VAE could run) becomes clips with `wanloom decode-samples`."""
     pytest.importorskip("torch")
     from typer.testing import CliRunner
 

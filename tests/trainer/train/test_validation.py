@@ -61,16 +61,18 @@ def test_the_planner_never_plans_a_held_out_sample(tiny: Any, tmp_path: Path) ->
     assert len(planned) == dataset.num_samples - len(held)  # everything else is trained on
 
 
-def _run(job: Path, workdir: Path) -> subprocess.CompletedProcess:
-    """`wanloom run` of ``job`` in a fresh process, on the CPU, with its run directory in ``workdir/run``."""
+def _run(job: Path, workdir: Path, without_torch: bool = False) -> subprocess.CompletedProcess:
+    """`wanloom run` of ``job`` in a fresh process, on the CPU, with its run directory in ``workdir/run``
+    (``without_torch``: PyTorch, diffusers and transformers unimportable, as in the TPU image)."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")]),
     }
     args = ["run", str(job), "--no-progress", "--metrics-port", "0", "--run-dir", str(workdir / "run")]
+    block = "import sys; sys.modules.update(torch=None, diffusers=None, transformers=None); " if without_torch else ""
     return subprocess.run(
-        [sys.executable, "-c", "from wanloom_cli import main; main()", *args],
+        [sys.executable, "-c", f"{block}from wanloom_cli import main; main()", *args],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 
@@ -148,6 +150,23 @@ def test_spec_export_writes_the_final_model_when_the_run_completes(tiny: Any, tm
     doc["spec"]["export"] = {**export, "ema": True}
     errors = {e.path: e.message for e in validate_trainingjob(doc).errors}
     assert errors == {"spec.export.ema": "export.ema needs optimizer.ema: without it no EMA weights are kept"}
+
+
+def test_a_jax_run_without_pytorch_writes_its_validation_videos(tiny: Any, tmp_path: Path) -> None:
+    """The TPU image's case: no PyTorch VAE, so the JAX VAE decodes the samples to mp4 and the contact sheet."""
+    validation = {"everySteps": 2, "samples": 2, "videos": 1, "inferenceSteps": 2}
+    job = tiny.tiny_job(tmp_path, validation=validation, optimizer={"warmupSteps": 1}, training={"steps": 2})
+    proc = _run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path, without_torch=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folder = tmp_path / "run" / "samples" / "step-000002"
+    [video] = sorted(folder.glob("sample-*.mp4"))
+    with av.open(str(video)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    latents = np.load(video.with_suffix(".npy"))
+    assert len(frames) == 4 * (latents.shape[2] - 1) + 1 and frames[0].shape[:2] == tuple(
+        8 * s for s in latents.shape[3:]
+    )
+    assert (folder / "contact-sheet.png").is_file() and "no VAE can run here" not in proc.stderr
 
 
 @pytest.mark.slow

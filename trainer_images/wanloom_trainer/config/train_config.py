@@ -218,6 +218,11 @@ def from_trainingjob(job: TrainingJob, env: Mapping[str, str]) -> TrainConfig:
         ValueError: naming the field or environment variable when a value cannot be used.
     """
     spec = job.spec
+    if spec.data.uri is None:
+        raise ValueError(
+            f"spec.data.dataset: LatentDataset {spec.data.dataset!r} is resolved by the operator on a cluster; "
+            "to run here, set spec.data.uri to its output (after `wanloom data build DATASET.yaml`)"
+        )
     return TrainConfig(
         job_name=env.get(keys.ENV_JOB_NAME) or job.metadata.name,
         namespace=env.get(keys.ENV_NAMESPACE) or job.metadata.namespace,

@@ -4,7 +4,7 @@ for I2V, their first-frame condition) with the current weights at each validatio
 Every process runs the sampler (``Backend.predict`` is collective); process 0 saves the latents and decodes them
 with the VAE into ``sample-<id>.mp4`` per sample and ``contact-sheet.png`` in ``<samples dir>/step-NNNNNN/``
 (``tracking.artifact_dir``: the run directory locally, beside a gs:// checkpoint root on a cluster, uploaded file by
-file). Where no PyTorch VAE can run, as in the TPU image, the latents wait for ``wanloom decode-samples``. The noise
+file). Where no PyTorch VAE can run, as in the TPU image, the JAX VAE decodes them (``sampling.media``). The noise
 depends only on (seed, sample id), so the videos of successive validations differ by the weights alone, and nothing
 here touches the training state or its random streams.
 """
@@ -71,8 +71,8 @@ class SampleWriter:
         self.decodes = can_decode()
         if not self.decodes and backend.process_index == 0:
             log.warning(
-                "validation videos: no PyTorch VAE in this image; each validation saves the latents "
-                "(samples/step-NNNNNN/sample-<id>.npy): `wanloom decode-samples FOLDER` turns them into videos"
+                "validation videos: no VAE can run here (neither diffusers nor jax with safetensors); each "
+                "validation saves the latents: `wanloom decode-samples FOLDER` turns them into videos"
             )
         self._vae: Any = None
 

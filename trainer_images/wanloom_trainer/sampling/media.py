@@ -1,10 +1,12 @@
-"""Latents → pixels → files: the Wan VAE decode (diffusers ``AutoencoderKLWan``, PyTorch), mp4 clips (PyAV) and a
-contact-sheet PNG (one row per sample, frames evenly spaced).
+"""Latents → pixels → files: the Wan VAE decode, mp4 clips (PyAV) and a contact-sheet PNG (one row per sample,
+frames evenly spaced).
 
-Latents are the normalised ones the transformer sees (``data.prepare.encoders``: z = (μ − mean) / std), so decoding
-first undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae``
-builds a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of
-the right shape (enough to exercise the path, not to look at).
+The VAE is diffusers' ``AutoencoderKLWan`` (PyTorch) where PyTorch is installed, else the JAX one
+(``model/vae_jax.py``, the same latents within float error): TPU runs decode their validation videos too. Latents
+are the normalised ones the transformer sees (``data.prepare.encoders``: z = (μ − mean) / std), so decoding first
+undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae`` builds
+a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of the right
+shape (enough to exercise the path, not to look at; the PyTorch and JAX ones are random in their own ways).
 """
 
 from __future__ import annotations
@@ -45,18 +47,54 @@ class DecodeSpec:
         return cls(**json.loads(path.read_text()))
 
 
-def can_decode() -> bool:
-    """Whether this environment has the PyTorch VAE (the GPU image and local installs do; the TPU image not)."""
+@dataclass(frozen=True)
+class JaxVae:
+    """The JAX Wan VAE: its config, weights and compiled decode."""
+
+    config: Any
+    params: Any
+    decode: Any
+
+
+def has_torch_vae() -> bool:
+    """Whether diffusers' PyTorch VAE can run here (the GPU image and local installs; not the TPU image)."""
     import importlib.util
 
-    return all(importlib.util.find_spec(m) is not None for m in ("torch", "diffusers"))
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("torch", "diffusers"))
+    except ValueError:  # in sys.modules as None: deliberately unimportable
+        return False
+
+
+def can_decode() -> bool:
+    """Whether a VAE can decode here: diffusers' (PyTorch), else the JAX one (safetensors weights)."""
+    import importlib.util
+
+    return has_torch_vae() or all(importlib.util.find_spec(m) is not None for m in ("jax", "safetensors"))
 
 
 def open_vae(spec: DecodeSpec) -> Any:
     """The VAE ``spec`` names; a gs:// folder must be staged locally first (``checkpoint.gcs.stage_weights``)."""
+    if not has_torch_vae():
+        return _jax_vae(spec)
     if spec.vae is None:
         return small_vae(spec.latent_channels, spec.seed)
     return load_vae(spec.vae)
+
+
+def _jax_vae(spec: DecodeSpec) -> JaxVae:
+    import jax
+
+    from wanloom_trainer.model import vae_jax
+
+    if spec.vae is None:
+        c = spec.latent_channels
+        config = vae_jax.VaeConfig(8, 8, c, (1, 2, 4, 4), 1, (), (False, True, True), False, None,
+                                   (0.0,) * c, (1.0,) * c, 4, 8)  # fmt: skip  # small_vae's architecture
+        params = vae_jax.random_params(config, spec.seed)
+    else:
+        config, params = vae_jax.load_vae(spec.vae)
+    return JaxVae(config, params, jax.jit(lambda p, z: vae_jax.decode(p, config, vae_jax.denormalize(config, z))))
 
 
 def decode_folder(folder: Path, vae: Any, fps: int) -> list[str]:
@@ -102,6 +140,9 @@ def load_vae(folder: str | Path) -> Any:
 
 def decode(vae: Any, latents: np.ndarray) -> np.ndarray:
     """uint8 [B, F, H, W, 3] frames of normalised latents [B, C, T', H', W']."""
+    if isinstance(vae, JaxVae):
+        video = np.asarray(vae.decode(vae.params, latents.astype(np.float32).transpose(0, 2, 3, 4, 1)))
+        return ((np.clip(video, -1, 1) + 1) * 127.5).round().astype(np.uint8)
     import torch
 
     config = vae.config

@@ -67,11 +67,11 @@ class WanEncoders:
 
     def encode_pixels(self, clips: np.ndarray) -> np.ndarray:
         """uint8 [B, F, H, W, 3] → float32 normalised latents [B, C, T', H', W']."""
-        return self._encode(_to_unit(clips, keep_first=False))
+        return self._encode(to_unit(clips, keep_first=False))
 
     def encode_condition(self, clips: np.ndarray) -> np.ndarray:
         """I2V condition float32 [B, 4 + C, T', H', W'] from uint8 [B, F, H, W, 3] (module docstring)."""
-        latents = self._encode(_to_unit(clips, keep_first=True))
+        latents = self._encode(to_unit(clips, keep_first=True))
         b, _, t, h, w = latents.shape
         mask = np.zeros((b, I2V_MASK_CHANNELS, t, h, w), dtype=np.float32)
         mask[:, :, 0] = 1.0
@@ -104,7 +104,7 @@ class WanEncoders:
         return [hidden[i, : int(n)] for i, n in enumerate(lengths)]
 
 
-def _to_unit(clips: np.ndarray, keep_first: bool) -> np.ndarray:
+def to_unit(clips: np.ndarray, keep_first: bool) -> np.ndarray:
     """uint8 [B, F, H, W, 3] → float32 in [-1, 1]; keep_first zeroes every frame after the first (Wan I2V)."""
     x = clips.astype(np.float32) / 127.5 - 1.0
     if keep_first:

@@ -13,6 +13,7 @@ that cannot be decoded or fit no bucket are skipped and listed (``skipped.json``
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from wanloom_trainer.data.prepare.writer import DatasetWriter
 from wanloom_trainer.data.storage import open_storage
 
 log = logging.getLogger(__name__)
+ENCODER_BACKENDS = ("auto", "jax", "torch")
 
 
 @dataclass(frozen=True)
@@ -51,27 +53,37 @@ class PrepareConfig:
         prompts: optional text file, one validation prompt per line, encoded into ``prompts.npz``.
         negative_prompt: optional text validation videos are guided away from, encoded into
             ``negative_prompt.npy`` (``spec.validation.negativePrompt``).
+        max_skipped: inputs that may be skipped before finalize refuses to write the index (None: any).
+        model_root: a local copy of ``model`` to load the encoders from (``model`` may be a gs:// URI; it is what
+            the build records, so every worker records the same).
+        encoders: "torch" (diffusers/transformers), "jax" (model/vae_jax.py, umt5_jax.py) or "auto" (torch where
+            it is installed, else jax); both give the same latents within float error.
     """
 
     inputs: str | Path
     output: str
-    model: Path
+    model: Path | str
     variant: str
     buckets: tuple[Bucket, ...]
     fps: float = 16.0
     batch_size: int = 4
     samples_per_shard: int = 256
     dtype: str = "bfloat16"
+    max_skipped: int | None = None
     prompts: Path | None = field(default=None, compare=False)
     negative_prompt: str | None = field(default=None, compare=False)
     device: str = field(default="cpu", compare=False)
     encoder_dtype: str = field(default="float32", compare=False)
+    model_root: Path | None = field(default=None, compare=False)
+    encoders: str = field(default="auto", compare=False)
 
     def __post_init__(self) -> None:
         if self.fps <= 0 or self.batch_size < 1 or self.samples_per_shard < 1:
             raise ValueError("fps must be > 0, batch_size and samples_per_shard >= 1")
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        if self.encoders not in ENCODER_BACKENDS:
+            raise ValueError(f"encoders {self.encoders!r} is not one of {', '.join(ENCODER_BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,7 @@ def prepare(
     todo = [k for k in writer.start() if units is None or k in units]
     if todo:
         encoders = encoders or _load_encoders(config, variant)
+        _write_empty_prompt(writer, encoders, variant)  # here, so a finalize step needs no encoders
         total = sum(len(items[k * per : (k + 1) * per]) for k in (range(num_units) if units is None else units))
         bar = _progress(total, total - sum(len(items[k * per : (k + 1) * per]) for k in todo), progress)
         for k in todo:
@@ -141,9 +154,10 @@ def prepare(
 
 def _finalize(config: PrepareConfig, writer: DatasetWriter, encoders: Any, variant: WanVariant) -> PrepareResult:
     """The dataset-wide files (empty, validation and negative prompts), then the index over every unit."""
-    if not writer.has_empty_prompt():  # encoded as the Wan pipelines encode "" (caption dropout trains on it)
+    writer.require_complete()
+    if not writer.has_empty_prompt():
         encoders = encoders or _load_encoders(config, variant)
-        writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
+        _write_empty_prompt(writer, encoders, variant)
     if config.prompts is not None:
         prompts = read_prompts(config.prompts)
         encoders = encoders or _load_encoders(config, variant)
@@ -151,7 +165,13 @@ def _finalize(config: PrepareConfig, writer: DatasetWriter, encoders: Any, varia
     if config.negative_prompt:
         encoders = encoders or _load_encoders(config, variant)
         writer.write_negative_prompt(encoders.encode_text([config.negative_prompt], variant.text_len)[0])
-    return PrepareResult(writer.finalize(), writer.skipped())
+    return PrepareResult(writer.finalize(config.max_skipped), writer.skipped())
+
+
+def _write_empty_prompt(writer: DatasetWriter, encoders: Any, variant: WanVariant) -> None:
+    """Encoded as the Wan pipelines encode "" (caption dropout trains on it); the same bytes from any worker."""
+    if not writer.has_empty_prompt():
+        writer.write_empty_prompt(encoders.encode_text([""], variant.text_len)[0])
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -165,11 +185,31 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def _load_encoders(config: PrepareConfig, variant: WanVariant) -> Any:
-    from wanloom_trainer.data.prepare.encoders import WanEncoders
+    root = Path(config.model_root or config.model)
+    if encoder_backend(config.encoders) == "jax":
+        from wanloom_trainer.data.prepare.encoders_jax import JaxEncoders
 
-    enc = WanEncoders(config.model, config.device, config.encoder_dtype)
+        enc: Any = JaxEncoders(root, config.encoder_dtype)
+    else:
+        from wanloom_trainer.data.prepare.encoders import WanEncoders
+
+        enc = WanEncoders(root, config.device, config.encoder_dtype)
     check_encoders(enc, variant)
     return enc
+
+
+def encoder_backend(choice: str) -> str:
+    """ "auto" is torch where PyTorch and diffusers are installed (GPU images), else jax (the TPU image)."""
+    if choice != "auto":
+        return choice
+    return "torch" if all(_installed(m) for m in ("torch", "diffusers", "transformers")) else "jax"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # present in sys.modules as None: deliberately unimportable
+        return False
 
 
 def check_encoders(enc: Any, variant: WanVariant) -> None:
@@ -202,6 +242,10 @@ def _encode_shard(
     pending: dict[Bucket, list[tuple[SourceItem, np.ndarray, float]]] = {}
     for item in items:
         bar.update(1)
+        if item.problem is not None:
+            log.warning("skipping %s: %s", item.source, item.problem)
+            skipped.append({"source": item.source, "reason": item.problem})
+            continue
         try:
             with open_media(item.uri) as media:
                 clip = load_media(media, config.fps, max_frames, name=item.uri, start=item.start, end=item.end)
@@ -213,7 +257,7 @@ def _encode_shard(
         _, h, w, _ = clip.frames.shape
         bucket = choose_bucket(config.buckets, len(clip.frames), h, w, clip.is_image)
         if bucket is None:
-            reason = f"fits no bucket ({len(clip.frames)} frames at {config.fps:g} fps, {h}x{w})"
+            reason = f"no-bucket: fits no bucket ({len(clip.frames)} frames at {config.fps:g} fps, {h}x{w})"
             log.warning("skipping %s: %s", item.source, reason)
             skipped.append({"source": item.source, "reason": reason})
             continue

@@ -11,8 +11,10 @@ A **folder or gs:// prefix** holds images (png/jpg/webp/bmp) and videos (mp4/mov
 caption in a sidecar text file of the same stem (``clip.mp4`` + ``clip.txt``), listed in sorted order.
 
 Row order (or the sorted listing) fixes each sample's ordinal, and so its key and its shard. Media are read where
-they are: gs:// objects through ranged reads (``open_media``), never copied whole first. A bad row is a one-line
-error naming the manifest, the row and the field; a missing caption is listed with every other one.
+they are: gs:// objects through ranged reads (``open_media``), never copied whole first. A bad row (not JSON, no
+path, no caption, bad bounds, a repeated id) or a medium without its caption keeps its ordinal and carries the
+problem (``SourceItem.problem``, "<kind>: <where and what>"): the pipeline lists it as skipped, it never stops the
+corpus. A manifest that cannot be read at all (missing, no rows, a CSV without a path column) is an error.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SourceItem:
         source: the sample's name in the dataset (index ``sources``, skip lists).
         caption: its text.
         start, end: seconds of a longer video this sample is cut from (None: the whole file).
+        problem: why this input cannot be used ("<kind>: <detail>", kinds in ``SKIP_KINDS``), or None.
     """
 
     ordinal: int
@@ -52,6 +55,22 @@ class SourceItem:
     caption: str
     start: float | None = None
     end: float | None = None
+    problem: str | None = None
+
+
+# What a skipped input's reason starts with: the status and metrics count skips by these.
+SKIP_KINDS = ("bad-row", "duplicate-id", "no-caption", "missing", "undecodable", "no-bucket")
+
+
+def skip_kind(reason: str) -> str:
+    """The kind a skip reason names (its text before the first colon, when that is a known kind)."""
+    kind = reason.split(":", 1)[0].strip()
+    return kind if kind in SKIP_KINDS else "other"
+
+
+class _BadRow(ValueError):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
 
 
 def read_sources(spec: str | Path) -> list[SourceItem]:
@@ -77,17 +96,20 @@ def scan_media(root: str) -> list[SourceItem]:
             f"{root} holds no images or videos ({', '.join(sorted(IMAGE_EXTS | VIDEO_EXTS))}), and is not a manifest "
             f"({', '.join(MANIFEST_SUFFIXES)})"
         )
-    items, missing = [], []
+    items = []
     for i, name in enumerate(media):
         sidecar = str(Path(name).with_suffix(".txt"))
-        caption = storage.read(sidecar).decode("utf-8").strip() if sidecar in present else ""
-        if not caption:
-            missing.append(storage.join(sidecar))
-        items.append(SourceItem(i, storage.join(name), name, caption))
-    if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        raise ValueError(f"{len(missing)} sources have no caption (write a non-empty sidecar file): {shown}")
+        caption = _caption(storage.read(sidecar)) if sidecar in present else ""
+        problem = None if caption else f"no-caption: {storage.join(sidecar)} is missing, empty or not UTF-8 text"
+        items.append(SourceItem(i, storage.join(name), name, caption, problem=problem))
     return items
+
+
+def _caption(data: bytes) -> str:
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return ""
 
 
 def read_manifest(uri: str) -> list[SourceItem]:
@@ -103,29 +125,40 @@ def read_manifest(uri: str) -> list[SourceItem]:
         raise ValueError(f"manifest {uri} has no rows")
     items, ids = [], {}
     for n, row in enumerate(rows):
-        item = _item(uri, folder, storage, n, row)
-        if item.source in ids:
-            raise ValueError(
-                f"manifest {uri} row {n + 1}: id {item.source!r} repeats row {ids[item.source] + 1}; ids must be unique"
-            )
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            item = _item(uri, folder, storage, n, row)
+            if item.source in ids:
+                raise _BadRow(
+                    "duplicate-id",
+                    f"manifest {uri} row {n + 1}: id {item.source!r} repeats row {ids[item.source] + 1}",
+                )
+        except _BadRow as exc:
+            given = row.get("id") if isinstance(row, dict) else None
+            source = str(given) if isinstance(given, str | int) else f"{uri}#row{n + 1}"
+            items.append(SourceItem(n, "", source, "", problem=str(exc)))
+            continue
         ids[item.source] = n
         items.append(item)
     return items
 
 
-def _parse(uri: str, data: bytes) -> list[dict[str, Any]]:
+def _parse(uri: str, data: bytes) -> list[dict[str, Any] | _BadRow]:
+    """The manifest's rows; a JSONL line that is no JSON object stays in place as a ``_BadRow``."""
     suffix = uri.lower().rsplit(".", 1)[-1]
     if suffix == "jsonl":
-        rows = []
-        for n, line in enumerate(data.decode("utf-8").splitlines()):
+        rows: list[dict[str, Any] | _BadRow] = []
+        for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines()):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"manifest {uri} line {n + 1}: not JSON ({exc.msg})") from exc
+                rows.append(_BadRow("bad-row", f"manifest {uri} line {n + 1}: not JSON ({exc.msg})"))
+                continue
             if not isinstance(row, dict):
-                raise ValueError(f"manifest {uri} line {n + 1}: a row must be a JSON object with a 'path'")
+                row = _BadRow("bad-row", f"manifest {uri} line {n + 1}: a row must be a JSON object with a 'path'")
             rows.append(row)
         return rows
     if suffix == "csv":
@@ -147,24 +180,25 @@ def _item(uri: str, folder: str, storage: Any, n: int, row: dict[str, Any]) -> S
     where = f"manifest {uri} row {n + 1}"
     unknown = sorted(set(row) - _FIELDS)
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
+        raise _BadRow("bad-row", f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
     path = row.get("path")
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{where}: 'path' must name the media file (a gs:// URI or a path relative to the manifest)")
+        raise _BadRow("bad-row", f"{where}: 'path' must name the media file (a gs:// URI or a path relative to it)")
     if media_kind(path) is None:
-        raise ValueError(
-            f"{where}: path {path!r} is neither an image nor a video ({', '.join(sorted(IMAGE_EXTS | VIDEO_EXTS))})"
-        )
+        kinds = ", ".join(sorted(IMAGE_EXTS | VIDEO_EXTS))
+        raise _BadRow("bad-row", f"{where}: path {path!r} is neither an image nor a video ({kinds})")
     start, end = _seconds(where, row, "start"), _seconds(where, row, "end")
     if start is not None and end is not None and end <= start:
-        raise ValueError(f"{where}: end {end:g} s must be after start {start:g} s")
+        raise _BadRow("bad-row", f"{where}: end {end:g} s must be after start {start:g} s")
     if (start is not None or end is not None) and media_kind(path) != "video":
-        raise ValueError(f"{where}: start/end cut clips from videos; {path!r} is an image")
+        raise _BadRow("bad-row", f"{where}: start/end cut clips from videos; {path!r} is an image")
     caption = row.get("caption")
     if caption is None and "caption_path" in row:
         caption = _read_text(_resolve(folder, str(row["caption_path"])), where)
     if not isinstance(caption, str) or not caption.strip():
-        raise ValueError(f"{where}: needs a non-empty 'caption' or a 'caption_path' to a non-empty text file")
+        raise _BadRow(
+            "no-caption", f"{where}: needs a non-empty 'caption' or a 'caption_path' to a non-empty text file"
+        )
     source = row.get("id")
     if source is None:
         bounds = "" if start is None and end is None else f"#{start or 0:g}-{'' if end is None else f'{end:g}'}"
@@ -181,7 +215,7 @@ def _seconds(where: str, row: dict[str, Any], field: str) -> float | None:
     except (TypeError, ValueError):
         seconds = math.nan
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{where}: '{field}' must be seconds >= 0, got {value!r}")
+        raise _BadRow("bad-row", f"{where}: '{field}' must be seconds >= 0, got {value!r}")
     return seconds
 
 
@@ -194,15 +228,17 @@ def _resolve(folder: str, path: str) -> str:
 def _read_text(uri: str, where: str) -> str:
     folder, name = split_uri(uri)
     try:
-        return open_storage(folder).read(name).decode("utf-8")
+        return _caption(open_storage(folder).read(name))
     except FileNotFoundError as exc:
-        raise ValueError(f"{where}: caption_path {uri} does not exist") from exc
+        raise _BadRow("no-caption", f"{where}: caption_path {uri} does not exist") from exc
 
 
 @contextlib.contextmanager
 def open_media(uri: str) -> Iterator[Path | BinaryIO]:
     """A local path as it is, or a gs:// object as a seekable reader fetching byte ranges on demand."""
     if not uri.startswith(GCS_SCHEME):
+        if not Path(uri).is_file():
+            raise FileNotFoundError(f"{uri}: not found")  # listed as missing, like an absent gs:// object
         yield Path(uri)
         return
     bucket, _, name = uri[len(GCS_SCHEME) :].partition("/")

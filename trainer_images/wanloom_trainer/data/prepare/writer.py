@@ -43,6 +43,15 @@ BUILD_NAME = "build.json"
 SKIPPED_NAME = "skipped.json"
 
 
+class TooManySkipped(ValueError):
+    """More inputs were skipped than the build allows: the dataset is not finalized (no index.json)."""
+
+    def __init__(self, skipped: list[dict[str, str]], limit: int, listing: str) -> None:
+        first = "; ".join(f"{s['source']}: {s['reason']}" for s in skipped[:3])
+        super().__init__(f"{len(skipped)} inputs skipped, more than maxBadSamples {limit} (all in {listing}): {first}")
+        self.skipped = skipped
+
+
 class DatasetWriter:
     """Writes one dataset rooted at ``storage``.
 
@@ -136,8 +145,21 @@ class DatasetWriter:
         if cond != h.condition_channels:
             raise ValueError(f"sample {s.key}: {cond} condition channels, dataset has {h.condition_channels}")
 
-    def finalize(self) -> ShapeIndex:
-        """Join every shard manifest into the index and write ``skipped.json``, then ``index.json``."""
+    def finalize(self, max_skipped: int | None = None) -> ShapeIndex:
+        """Join every shard manifest into the index and write ``skipped.json``, then ``index.json`` (not when more
+        than ``max_skipped`` inputs were skipped: :class:`TooManySkipped`)."""
+        self.require_complete()
+        manifests = [json.loads(self.storage.read(shard_manifest_name(k))) for k in range(self.num_shards)]
+        index = build_index(self.header, manifests)
+        skipped = [s for m in manifests for s in m["skipped"]]
+        self.storage.write(SKIPPED_NAME, json.dumps(skipped, indent=1).encode())
+        if max_skipped is not None and len(skipped) > max_skipped:
+            raise TooManySkipped(skipped, max_skipped, self.storage.join(SKIPPED_NAME))
+        self.storage.write(INDEX_NAME, index.to_json().encode())
+        return index
+
+    def require_complete(self) -> None:
+        """Raise ValueError naming the work units not written yet, if any."""
         missing = [k for k in range(self.num_shards) if not self.storage.exists(shard_manifest_name(k))]
         if missing:
             shown = ", ".join(str(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else "")
@@ -145,12 +167,6 @@ class DatasetWriter:
                 f"{self.storage.uri}: {len(missing)} of {self.num_shards} work units are not written yet ({shown}); "
                 "run them first (wanloom data prepare --work-unit K)"
             )
-        manifests = [json.loads(self.storage.read(shard_manifest_name(k))) for k in range(self.num_shards)]
-        index = build_index(self.header, manifests)
-        skipped = [s for m in manifests for s in m["skipped"]]
-        self.storage.write(SKIPPED_NAME, json.dumps(skipped, indent=1).encode())
-        self.storage.write(INDEX_NAME, index.to_json().encode())
-        return index
 
     @classmethod
     def resume(cls, storage: Storage) -> DatasetWriter:

@@ -1,0 +1,155 @@
+"""LatentDatasets on the real control plane (kube-apiserver, the Job controller, KWOK fake nodes), run by the operator
+as `wanloom operator` runs it: plan Job -> Indexed encode Job (completions from the plan pod's summary) -> finalize
+Job -> Ready; a TrainingJob that names the dataset waits Pending, then trains on its output; a dataset that fails
+fails the jobs waiting for it with its reason; a Ready dataset applied again creates nothing.
+
+KWOK runs no containers: a step's pod succeeds after 4 s with the termination message its container's
+E2E_TERMINATION_MESSAGE holds (.ci/cluster/kwok-stages.yaml), standing in for the summary `wanloom data build`
+prints; the steps themselves are tested for real in tests/trainer/data/test_data_resource.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_operator import start_operator
+from e2e_wait import wait_for
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION = "wanloom.dev", "v1alpha1"
+SUMMARY = {"inputs": 7, "units": 3, "bad": {"bad-row": 1}, "samples": 6, "shards": 3, "skipped": {"bad-row": 1}}
+
+
+@pytest.fixture(scope="module")
+def namespace(k8s: Any, module_namespace: str) -> str:
+    return module_namespace
+
+
+@pytest.fixture(scope="module")
+def operator(k8s: Any, cluster: Any, namespace: str) -> Iterator[Any]:
+    process = start_operator(cluster, namespace, progress_interval=2)
+    yield process
+    api = k8s.client.CustomObjectsApi()
+    api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, "trainingjobs")
+    wait_for(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, "trainingjobs")["items"],
+             "cleanup", 120)  # fmt: skip
+    process.terminate()
+    output, _ = process.communicate(timeout=60)
+    print(output[-5000:])
+
+
+def _dataset(name: str, **env: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "jobs" / "datasets" / "tiny-corpus.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["output"] = f"gs://bucket/datasets/{name}"
+    doc["spec"]["workers"] = 2
+    doc["spec"]["resources"]["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    return doc
+
+
+def _trainingjob(name: str, dataset: str) -> dict[str, Any]:
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "jobs" / "tiny-from-dataset.yaml").read_text()))
+    doc["metadata"] = {"name": name}
+    doc["spec"]["data"] = {"dataset": dataset}
+    doc["spec"]["maxRestarts"] = 0
+    return doc
+
+
+def _status(k8s: Any, namespace: str, plural: str, name: str) -> dict[str, Any]:
+    obj = k8s.client.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+    return obj.get("status") or {}
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def _jobs(k8s: Any, namespace: str, dataset: str) -> dict[str, Any]:
+    items = k8s.client.BatchV1Api().list_namespaced_job(
+        namespace, label_selector=f"wanloom.dev/latentdataset={dataset}"
+    )
+    return {j.metadata.name: j for j in items.items}
+
+
+def test_a_trainingjob_waits_for_its_dataset_which_plans_encodes_and_finalizes(
+    k8s: Any, namespace: str, operator: Any
+) -> None:
+    api = k8s.client.CustomObjectsApi()
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, "trainingjobs", _trainingjob("on-corpus", "corpus"))
+    waiting = wait_for(
+        lambda: (s := _status(k8s, namespace, "trainingjobs", "on-corpus")).get("phase") == "Pending" and s,
+        "the TrainingJob Pending",
+        60,
+    )
+    assert _condition(waiting, "DataReady")["reason"] == "DatasetNotFound", waiting
+
+    dataset = _dataset("corpus", E2E_TERMINATION_MESSAGE=json.dumps(SUMMARY))
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", dataset)
+    encoding = wait_for(
+        lambda: (s := _status(k8s, namespace, "latentdatasets", "corpus")).get("phase") == "Encoding" and s,
+        "the dataset Encoding",
+        120,
+    )
+    assert (encoding["inputs"], encoding["shardsTotal"]) == (7, 3)  # from the plan pod's summary
+    pending = _status(k8s, namespace, "trainingjobs", "on-corpus")
+    assert pending["phase"] == "Pending" and "Encoding" in _condition(pending, "DataReady")["message"], pending
+    encode = _jobs(k8s, namespace, "corpus")["corpus-encode"]
+    assert (encode.spec.completion_mode, encode.spec.completions, encode.spec.parallelism) == ("Indexed", 3, 2)
+
+    ready = wait_for(
+        lambda: (s := _status(k8s, namespace, "latentdatasets", "corpus")).get("phase") == "Ready" and s,
+        "the dataset Ready",
+        180,
+    )
+    assert (ready["shardsDone"], ready["samplesEncoded"], ready["skipped"]) == (3, 6, {"bad-row": 1}), ready
+    assert ready["outputUri"] == "gs://bucket/datasets/corpus" and _condition(ready, "Ready")["status"] == "True"
+    assert sorted(_jobs(k8s, namespace, "corpus")) == ["corpus-encode", "corpus-finalize", "corpus-plan"]
+
+    # The TrainingJob starts on the dataset's output, and runs to the end.
+    wait_for(
+        lambda: _status(k8s, namespace, "trainingjobs", "on-corpus").get("phase") == "Succeeded",
+        "the TrainingJob Succeeded",
+        180,
+    )
+    config = k8s.client.CoreV1Api().read_namespaced_config_map("on-corpus-config", namespace)
+    trained_on = yaml.safe_load(config.data["trainingjob.yaml"])["spec"]["data"]
+    assert trained_on == {**trained_on, "uri": "gs://bucket/datasets/corpus"} and "dataset" not in trained_on
+
+    # Applied again (a label, a no-op edit): a Ready dataset creates nothing more.
+    before = {n: j.metadata.uid for n, j in _jobs(k8s, namespace, "corpus").items()}
+    api.patch_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", "corpus",
+                                       {"metadata": {"labels": {"team": "media"}}})  # fmt: skip
+    wait_for(lambda: _status(k8s, namespace, "latentdatasets", "corpus").get("phase") == "Ready", "still Ready", 30)
+    assert {n: j.metadata.uid for n, j in _jobs(k8s, namespace, "corpus").items()} == before
+
+
+def test_a_failed_dataset_fails_the_trainingjobs_waiting_for_it(k8s: Any, namespace: str, operator: Any) -> None:
+    api = k8s.client.CustomObjectsApi()
+    # Exit code 3 is a configuration error (a bad manifest): the pod failure policy fails the Job at once.
+    api.create_namespaced_custom_object(
+        GROUP, VERSION, namespace, "latentdatasets", _dataset("broken-corpus", WANLOOM_E2E_FAIL="3")
+    )
+    api.create_namespaced_custom_object(
+        GROUP, VERSION, namespace, "trainingjobs", _trainingjob("on-broken", "broken-corpus")
+    )
+    failed = wait_for(
+        lambda: (s := _status(k8s, namespace, "latentdatasets", "broken-corpus")).get("phase") == "Failed" and s,
+        "the dataset Failed",
+        120,
+    )
+    assert failed["message"].startswith("plan failed: ") and "exit code 3" in failed["message"], failed
+    assert sorted(_jobs(k8s, namespace, "broken-corpus")) == ["broken-corpus-plan"]  # nothing after a failed step
+    job = wait_for(
+        lambda: (s := _status(k8s, namespace, "trainingjobs", "on-broken")).get("phase") == "Failed" and s,
+        "the TrainingJob Failed",
+        60,
+    )
+    assert _condition(job, "DataReady")["reason"] == "DatasetFailed" and "exit code 3" in job["message"], job
