@@ -169,7 +169,7 @@ TRAININGJOB_OPTIONAL = (
     ("tracking", "wandb"),
     ("resources", "podRequests"),
 )
-LATENTDATASET_OPTIONAL = (("resources", "cpu"), ("resources", "gpu"))
+LATENTDATASET_OPTIONAL = (("resources", "cpu"), ("resources", "gpu"), ("resources", "tpu"))
 
 
 def trainingjob_crd() -> dict[str, Any]:

@@ -185,6 +185,8 @@ def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, ope
         doc["spec"]["maxRestarts"] = 0
         # Placement only: no LocalQueue exists here, so a queued job would wait (queueing: test_kueue_*).
         doc["spec"]["resources"].pop("queueName", None)
+        if "dataset" in doc["spec"]["data"]:  # placement only: waiting for a dataset is test_dataset_cluster.py's
+            doc["spec"]["data"] = {"uri": f"gs://bucket/{path.stem}"}
         api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
         expected[path.stem] = pod_shape(load_trainingjob_file(path).spec, OperatorSettings())
     nodes = {n.metadata.name: n.metadata.labels for n in core.list_node().items}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -39,6 +40,19 @@ def input_errors() -> tuple[type[BaseException], ...]:
     from wanloom_trainer.data.skips import TooManyBadSamples
 
     return InvalidTrainingJob, ValueError, FileNotFoundError, TooManyBadSamples
+
+
+# XLA's status codes: a collective that failed because a peer went away surfaces (in jax's multihost helpers,
+# sometimes as a ValueError) as "UNKNOWN: Gloo AllGather failed ...". That is the peer's failure, not this process's
+# input: exiting with the configuration-error status too would make the operator report it instead of the cause.
+_RUNTIME_STATUS = re.compile(
+    r"^(UNKNOWN|UNAVAILABLE|INTERNAL|ABORTED|CANCELLED|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|DATA_LOSS): "
+)
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of the job's inputs (exit ``EXIT_CONFIG_ERROR``) rather than of the run."""
+    return isinstance(exc, input_errors()) and not _RUNTIME_STATUS.match(str(exc).lstrip())
 
 
 def main() -> int:
@@ -58,9 +72,9 @@ def main() -> int:
 
     try:
         result = run(config, progress=sys.stderr.isatty())
-    except input_errors() as exc:
-        exit_now(report(f"wanloom trainer: {_first_line(exc)}", EXIT_CONFIG_ERROR))
     except Exception as exc:
+        if is_input_error(exc):
+            exit_now(report(f"wanloom trainer: {_first_line(exc)}", EXIT_CONFIG_ERROR))
         traceback.print_exc()
         exit_now(report(f"wanloom trainer: {type(exc).__name__}: {_first_line(exc)}", FAILED))
     if result.plot is not None:

@@ -110,7 +110,8 @@ class _Steps:
     async def _failed(self, step: Step, job: Mapping[str, Any]) -> None:
         reason = next((c.get("message") for c in _conditions(job) if c.get("type") == "Failed"), "") or ""
         messages = [m for m in await self._messages(step, "Failed") if m]
-        detail = messages[0] if messages else reason or f"Job {self.rendered.job_name(step)} failed"
+        # A one-line error from `wanloom data build`, or the log's tail (a traceback): its last line says what.
+        detail = messages[0].splitlines()[-1] if messages else reason or f"Job {self.rendered.job_name(step)} failed"
         self._fail(f"{step} failed: {detail}")
 
     def _fail(self, message: str) -> None:

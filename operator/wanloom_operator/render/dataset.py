@@ -108,6 +108,8 @@ class RenderedDataset:
         resources = spec.resources
         node_selector, tolerations, container_resources = _placement(self.dataset, settings, step)
         env = [{"name": "WANLOOM_WEIGHTS_CACHE", "value": WEIGHTS_CACHE}]
+        if resources.cpu is not None:  # the TPU image looks for a TPU first
+            env.append({"name": "JAX_PLATFORMS", "value": "cpu"})
         env += [{"name": v.name, "value": v.value} for v in (*settings.trainer_pods.env, *resources.env)]
         pod: dict[str, Any] = {
             "restartPolicy": "Never",

@@ -47,6 +47,7 @@ def test_the_encode_job_is_indexed_one_completion_per_unit_with_per_index_retrie
         "build",
     ]
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
+    assert {"name": "JAX_PLATFORMS", "value": "cpu"} in container["env"]  # the TPU image looks for a TPU first
     assert job["metadata"]["ownerReferences"][0] | {"uid": "u-1"} == job["metadata"]["ownerReferences"][0]
     assert job["metadata"]["namespace"] == "media" and not spec["suspend"]
     mounted = yaml.safe_load(made.configmap["data"]["latentdataset.yaml"])

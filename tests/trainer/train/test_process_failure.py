@@ -125,3 +125,15 @@ def _process_of(root: int, *, host_index: int) -> int:
         except psutil.Error:
             continue
     raise AssertionError(f"no process with {keys.ENV_HOST_INDEX}={host_index} under {root}")
+
+
+def test_a_collective_that_failed_with_its_peer_is_not_an_input_error() -> None:
+    """A peer that exits on bad data breaks the next collective of the others ("UNKNOWN: Gloo AllGather failed",
+    which jax raises as a ValueError): they exit as failures, so the operator reports the peer's cause."""
+    from wanloom_trainer.__main__ import is_input_error
+
+    gloo = "UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [10.0.0.2]:1"
+    assert not is_input_error(ValueError(gloo))
+    assert not is_input_error(RuntimeError("spec.data.uri: no dataset"))
+    assert is_input_error(ValueError("spec.data.uri: no dataset index at gs://b/x"))
+    assert is_input_error(FileNotFoundError("gs://b/x/index.json"))
