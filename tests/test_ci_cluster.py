@@ -81,6 +81,7 @@ def test_make_test_runs_every_cluster_and_image_test_after_the_builds_and_nothin
     assert after == {
         "tests/e2e/test_apiserver.py",
         "tests/e2e/test_chart_install.py",
+        "tests/e2e/test_dataset_cluster.py",
         "tests/e2e/test_operator_cluster.py",
         "tests/e2e/test_real_node.py",
         "tests/images/test_gpu_image.py",
