@@ -219,7 +219,7 @@ def _valid(out: Outcome, status: Mapping[str, Any], body: Mapping[str, Any]) -> 
 
 
 async def _create(out: Outcome, rendered: Rendered, job: TrainingJob, runtime: Runtime) -> None:
-    await ensure_configmap(rendered, runtime)
+    await ensure_configmap(rendered.configmap, rendered.spec_hash, runtime)
     namespace, name = rendered.jobset["metadata"]["namespace"], rendered.names.jobset
     try:
         await runtime.cluster.create_jobset(rendered.jobset)
@@ -286,7 +286,7 @@ async def _spec_changed(
         out.set(cond.ConditionType.SPEC_CHANGE_PENDING, "True", cond.Reason.NOT_SUSPENDED, message)
         return
     # The pod template of a JobSet is immutable: replace it. Suspended, it runs no pods.
-    await ensure_configmap(rendered, runtime)
+    await ensure_configmap(rendered.configmap, rendered.spec_hash, runtime)
     await runtime.cluster.delete_jobset(namespace, name)
     try:
         await runtime.cluster.create_jobset(rendered.jobset)
@@ -333,9 +333,9 @@ async def _sync_workload_active(out: Outcome, current: dict[str, Any], job: Trai
         out.event("Normal", verb, f"Kueue Workload {name} active={str(want).lower()} (JobSet {meta['name']})")
 
 
-async def ensure_configmap(rendered: Rendered, runtime: Runtime) -> None:
-    """Create the trainer's ConfigMap, or bring an existing one of ours to the rendered content."""
-    cm = rendered.configmap
+async def ensure_configmap(cm: dict[str, Any], spec_hash: str, runtime: Runtime) -> None:
+    """Create a ConfigMap (a trainer's or a dataset's pods'), or bring an existing one of ours to the rendered
+    content (its spec-hash annotation differs)."""
     namespace, name = cm["metadata"]["namespace"], cm["metadata"]["name"]
     try:
         await runtime.cluster.create_configmap(cm)  # the common case; an existing one answers 409
@@ -344,7 +344,7 @@ async def ensure_configmap(rendered: Rendered, runtime: Runtime) -> None:
         if not exc.conflict:
             raise
     current = await runtime.cluster.get_configmap(namespace, name)
-    if current is None or _annotations(current).get(keys.ANNOTATION_SPEC_HASH) == rendered.spec_hash:
+    if current is None or _annotations(current).get(keys.ANNOTATION_SPEC_HASH) == spec_hash:
         return
     patch = {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]}
     await runtime.cluster.patch_configmap(namespace, name, patch)

@@ -15,11 +15,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from wanloom_api import conditions as cond
-from wanloom_api import keys
 from wanloom_api.latentdataset import DATASET_TERMINAL_PHASES, DatasetPhase, LatentDataset
 from wanloom_api.validation import validate_latentdataset
-from wanloom_operator.reconcile.children import Outcome, manifest
-from wanloom_operator.reconcile.cluster import ApiError
+from wanloom_operator.reconcile.children import Outcome, ensure_configmap, manifest
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.render.dataset import LABEL_DATASET, LABEL_STEP, RenderedDataset, Step, render_dataset
 from wanloom_operator.render.names import fit_label_value
@@ -42,7 +40,9 @@ async def reconcile_dataset(body: Mapping[str, Any], runtime: Runtime, now: str 
     if status.get("phase") in DATASET_TERMINAL_PHASES:
         return out
     rendered = render_dataset(result.job, runtime.settings, owner_uid=(body.get("metadata") or {}).get("uid"))
-    await _ensure_configmap(rendered, runtime)
+    # A changed spec rewrites the pods' file: a pod that then meets an output built with other settings refuses it,
+    # naming the difference, and the dataset fails with that message.
+    await ensure_configmap(rendered.configmap, rendered.spec_hash, runtime)
     steps = _Steps(rendered, runtime, out)
     total = status.get("shardsTotal")
     if total is None:  # read once from the plan pod, then kept in the status
@@ -171,24 +171,6 @@ def _ready(out: Outcome, dataset: LatentDataset, summary: Mapping[str, Any]) -> 
     }
     out.set(cond.ConditionType.READY, "True", cond.Reason.DATASET_READY, message)
     out.event("Normal", cond.Reason.DATASET_READY, message)
-
-
-async def _ensure_configmap(rendered: RenderedDataset, runtime: Runtime) -> None:
-    """The pods' dataset file, brought to the current spec: a pod that then meets an output built with other
-    settings refuses it, naming the difference, and the dataset fails with that message."""
-    cm = rendered.configmap
-    namespace, name = cm["metadata"]["namespace"], cm["metadata"]["name"]
-    try:
-        await runtime.cluster.create_configmap(cm)
-        return
-    except ApiError as exc:
-        if not exc.conflict:
-            raise
-    current = await runtime.cluster.get_configmap(namespace, name)
-    annotations = ((current or {}).get("metadata") or {}).get("annotations") or {}
-    if current is not None and annotations.get(keys.ANNOTATION_SPEC_HASH) != rendered.spec_hash:
-        patch = {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]}
-        await runtime.cluster.patch_configmap(namespace, name, patch)
 
 
 def _conditions(job: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -22,7 +22,27 @@ import numpy as np
 I2V_MASK_CHANNELS = 4
 
 
-class WanEncoders:
+class PixelEncoder:
+    """What both encoder implementations share: clips to latents and the I2V condition, over their ``_encode``
+    (float32 pixels in [-1, 1], [B, F, H, W, 3] → normalised posterior means [B, C, T', H', W'])."""
+
+    def encode_pixels(self, clips: np.ndarray) -> np.ndarray:
+        """uint8 [B, F, H, W, 3] → float32 normalised latents [B, C, T', H', W']."""
+        return self._encode(to_unit(clips, keep_first=False))
+
+    def encode_condition(self, clips: np.ndarray) -> np.ndarray:
+        """I2V condition float32 [B, 4 + C, T', H', W'] from uint8 [B, F, H, W, 3] (module docstring)."""
+        latents = self._encode(to_unit(clips, keep_first=True))
+        b, _, t, h, w = latents.shape
+        mask = np.zeros((b, I2V_MASK_CHANNELS, t, h, w), dtype=np.float32)
+        mask[:, :, 0] = 1.0
+        return np.concatenate([mask, latents], axis=1)
+
+    def _encode(self, x_bfhwc: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class WanEncoders(PixelEncoder):
     """VAE + tokenizer + text encoder on one device, inference only.
 
     Args:
@@ -64,18 +84,6 @@ class WanEncoders:
         cfg = self.vae.config
         spatial = int(cfg.scale_factor_spatial or 8)
         return int(cfg.scale_factor_temporal or 4), spatial, spatial
-
-    def encode_pixels(self, clips: np.ndarray) -> np.ndarray:
-        """uint8 [B, F, H, W, 3] → float32 normalised latents [B, C, T', H', W']."""
-        return self._encode(to_unit(clips, keep_first=False))
-
-    def encode_condition(self, clips: np.ndarray) -> np.ndarray:
-        """I2V condition float32 [B, 4 + C, T', H', W'] from uint8 [B, F, H, W, 3] (module docstring)."""
-        latents = self._encode(to_unit(clips, keep_first=True))
-        b, _, t, h, w = latents.shape
-        mask = np.zeros((b, I2V_MASK_CHANNELS, t, h, w), dtype=np.float32)
-        mask[:, :, 0] = 1.0
-        return np.concatenate([mask, latents], axis=1)
 
     def _encode(self, x_bfhwc: np.ndarray) -> np.ndarray:
         """float32 pixels in [-1, 1], [B, F, H, W, 3] → normalised posterior means [B, C, T', H', W']."""

@@ -20,13 +20,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wanloom_trainer.data.prepare.encoders import I2V_MASK_CHANNELS, clean_caption, to_unit
+from wanloom_trainer.data.prepare.encoders import PixelEncoder, clean_caption
 from wanloom_trainer.model import umt5_jax, vae_jax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class JaxEncoders:
+class JaxEncoders(PixelEncoder):
     """VAE + tokenizer + text encoder on the default JAX backend, inference only.
 
     Args:
@@ -65,18 +65,6 @@ class JaxEncoders:
     def vae_stride(self) -> tuple[int, int, int]:
         spatial = self.vae_config.scale_factor_spatial
         return self.vae_config.scale_factor_temporal, spatial, spatial
-
-    def encode_pixels(self, clips: np.ndarray) -> np.ndarray:
-        """uint8 [B, F, H, W, 3] → float32 normalised latents [B, C, T', H', W']."""
-        return self._encode(to_unit(clips, keep_first=False))
-
-    def encode_condition(self, clips: np.ndarray) -> np.ndarray:
-        """I2V condition float32 [B, 4 + C, T', H', W'] from uint8 [B, F, H, W, 3]."""
-        latents = self._encode(to_unit(clips, keep_first=True))
-        b, _, t, h, w = latents.shape
-        mask = np.zeros((b, I2V_MASK_CHANNELS, t, h, w), dtype=np.float32)
-        mask[:, :, 0] = 1.0
-        return np.concatenate([mask, latents], axis=1)
 
     def _batch(self, x: np.ndarray) -> jax.Array:
         """``x`` split over the host's chips along the batch where it divides evenly, else on one."""
