@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from wanloom_api.metrics import OPERATOR_METRICS, TRAINER_METRICS, MetricDef
+from wanloom_api.metrics import DATASET_METRICS, OPERATOR_METRICS, TRAINER_METRICS, MetricDef
 from wanloom_trainer.flops import ACCELERATORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +73,7 @@ def dashboard_table() -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "trainer-metrics": lambda: metric_table(TRAINER_METRICS),
+    "dataset-metrics": lambda: metric_table(DATASET_METRICS),
     "operator-metrics": lambda: metric_table(OPERATOR_METRICS),
     "mfu-peaks": peak_table,
     "dashboard-panels": dashboard_table,
@@ -104,7 +105,7 @@ def test_doc_lists_every_metric_with_its_type_and_labels() -> None:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[0].startswith("`wanloom_"):
             rows[cells[0].strip("`")] = cells
-    for m in TRAINER_METRICS + OPERATOR_METRICS:
+    for m in TRAINER_METRICS + DATASET_METRICS + OPERATOR_METRICS:
         assert m.name in rows, f"{m.name} missing from docs/metrics.md"
         assert rows[m.name][1] == m.kind
         assert re.findall(r"`([a-z_]+)`", rows[m.name][2]) == list(m.labels)

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from wanloom_cli.terminal import log_to_terminal
+
+if TYPE_CHECKING:
+    from wanloom_trainer.metrics.prepare import PrepareMetrics
 
 data_app = typer.Typer(
     name="data", help="Build training datasets: encode media (prepare) or synthesise latents (synth)."
@@ -148,25 +153,50 @@ def build(
 
     if step not in ("all", "plan", "encode", "finalize"):
         raise _fail(ValueError(f"--step {step!r}: use all, plan, encode or finalize"))
+    log_to_terminal()  # each unit's line: samples, skips, seconds per stage
+    metrics = None
     try:
         dataset = load_latentdataset_file(file)
+        if step in ("encode", "all"):
+            metrics = _serve_metrics(dataset.metadata.name)
+        on_progress = metrics.observe if metrics is not None else None
         if step == "encode":
             units = work_unit or _completion_index(os.environ.get("JOB_COMPLETION_INDEX"))
-            summary = resource.encode(dataset, units, device)
+            summary = resource.encode(dataset, units, device, on_progress=on_progress)
         elif step == "plan":
             summary = resource.plan(dataset)
         elif step == "finalize":
             summary = resource.finalize(dataset)
         else:
-            summary = resource.build(dataset, device)
+            summary = resource.build(dataset, device, on_progress=on_progress)
     except (InvalidTrainingJob, ValueError, FileNotFoundError) as exc:
         text = str(exc).strip().splitlines()
         raise typer.Exit(report(f"wanloom data build: {' '.join(text)}", EXIT_CONFIG_ERROR)) from exc
+    finally:
+        if metrics is not None:
+            metrics.close()
     line = json.dumps(summary, sort_keys=True)
     typer.echo(line)
     if TERMINATION_LOG.exists():  # in a pod: the operator reads the summary from the container's status
         with contextlib.suppress(OSError):
             TERMINATION_LOG.write_text(line[:4000])
+
+
+def _serve_metrics(latentdataset: str) -> PrepareMetrics | None:
+    """The pod's /metrics on ``$WANLOOM_METRICS_PORT`` (set by the operator on encode pods); None where unset."""
+    import os
+
+    from wanloom_api.keys import ENV_METRICS_PORT
+    from wanloom_trainer.metrics.prepare import PrepareMetrics
+
+    port = os.environ.get(ENV_METRICS_PORT, "0")
+    if not port.isdigit():
+        raise ValueError(f"{ENV_METRICS_PORT}={port!r}: must be a port number (0: no metrics)")
+    if int(port) == 0:
+        return None
+    metrics = PrepareMetrics(latentdataset)
+    metrics.serve(int(port))
+    return metrics
 
 
 def _completion_index(value: str | None) -> list[int]:

@@ -5,7 +5,6 @@ The trainer (jax/torch) is imported inside the commands, so the rest of the CLI 
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -14,6 +13,7 @@ import typer
 
 from wanloom_api import keys
 from wanloom_api.validation import InvalidTrainingJob, load_trainingjob_file
+from wanloom_cli.terminal import log_to_terminal
 
 STOPPED_EXIT_CODE = keys.EXIT_STOPPED  # 128 + SIGTERM: the run checkpointed and stopped early
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
@@ -57,7 +57,7 @@ def run(
         raise typer.Exit(code)
     if port:
         typer.echo(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
-    _log_to_terminal()
+    log_to_terminal()
     started = time.monotonic()
     try:
         result = launch.run_in_process(job, run_dir=where, metrics_port=port, progress=progress)
@@ -100,17 +100,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # no GCS client installed: no gs:// URIs either
         pass
     return tuple(errors)
-
-
-def _log_to_terminal() -> None:
-    """The trainer's own messages (resuming from a checkpoint, checkpoints committed) on stderr, once."""
-    logger = logging.getLogger("wanloom_trainer")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def _summary(result: object, run_dir: str, checkpoint_uri: str | None, wall_s: float) -> None:

@@ -38,6 +38,7 @@ ENV_CONFIG = "WANLOOM_CONFIG"  # path of the mounted TrainingJob YAML
 ENV_JOB_NAME = "WANLOOM_JOB_NAME"
 ENV_NAMESPACE = "WANLOOM_NAMESPACE"
 ENV_METRICS_PORT = "WANLOOM_METRICS_PORT"
+ENV_DECODE_WORKERS = "WANLOOM_DECODE_WORKERS"  # data preparation: processes that read and decode media
 # Not 9090: that is Prometheus's own port, which a laptop running the local job next to Prometheus already uses.
 DEFAULT_METRICS_PORT = 9431
 ENV_RUN_DIR = "WANLOOM_RUN_DIR"  # local scratch: synthetic data, plots

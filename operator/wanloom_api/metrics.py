@@ -49,6 +49,10 @@ class Metric(StrEnum):
     LAST_CHECKPOINT_TIMESTAMP_SECONDS = "wanloom_last_checkpoint_timestamp_seconds"
     LAST_CHECKPOINT_DURATION_SECONDS = "wanloom_last_checkpoint_duration_seconds"
     CHECKPOINT_DURATION_SECONDS = "wanloom_checkpoint_duration_seconds"
+    PREPARE_STAGE_SECONDS_TOTAL = "wanloom_prepare_stage_seconds_total"
+    PREPARE_SAMPLES_TOTAL = "wanloom_prepare_samples_total"
+    PREPARE_SKIPPED_TOTAL = "wanloom_prepare_skipped_total"
+    PREPARE_UNITS_TOTAL = "wanloom_prepare_units_total"
     OPERATOR_RECONCILE_DURATION_SECONDS = "wanloom_operator_reconcile_duration_seconds"
     OPERATOR_RECONCILE_ERRORS_TOTAL = "wanloom_operator_reconcile_errors_total"
     OPERATOR_TRAININGJOBS = "wanloom_operator_trainingjobs"
@@ -64,7 +68,7 @@ class MetricDef:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
-    exported_by: Literal["trainer", "trainer rank 0", "operator"] = "trainer rank 0"
+    exported_by: Literal["trainer", "trainer rank 0", "dataset pod", "operator"] = "trainer rank 0"
 
 
 _T = ("trainingjob",)
@@ -217,6 +221,29 @@ TRAINER_METRICS: tuple[MetricDef, ...] = (
     ),
 )
 
+# A LatentDataset's encode pods (`wanloom data build --step encode`), one set per pod; sum over pods for the
+# dataset. Stages: wanloom_trainer/data/prepare/stages.py.
+_DS = ("latentdataset",)
+DATASET_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(
+        Metric.PREPARE_STAGE_SECONDS_TOTAL,
+        "counter",
+        "Seconds spent in each data-preparation stage (read, decode, resize on the CPU pool; vae, text; write), "
+        "summed over the pod's sources; over samples_total it is the time per sample.",
+        ("latentdataset", "stage"),
+        exported_by="dataset pod",
+    ),
+    MetricDef(Metric.PREPARE_SAMPLES_TOTAL, "counter", "Samples encoded and written.", _DS, exported_by="dataset pod"),
+    MetricDef(
+        Metric.PREPARE_SKIPPED_TOTAL,
+        "counter",
+        "Inputs skipped, by kind (bad-row, duplicate-id, no-caption, missing, undecodable, no-bucket).",
+        ("latentdataset", "reason"),
+        exported_by="dataset pod",
+    ),
+    MetricDef(Metric.PREPARE_UNITS_TOTAL, "counter", "Work units (shards) written.", _DS, exported_by="dataset pod"),
+)
+
 OPERATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         Metric.OPERATOR_RECONCILE_DURATION_SECONDS,
@@ -263,11 +290,12 @@ OPERATOR_METRICS: tuple[MetricDef, ...] = (
     ),
 )
 
-ALL_METRICS = TRAINER_METRICS + OPERATOR_METRICS
+ALL_METRICS = TRAINER_METRICS + DATASET_METRICS + OPERATOR_METRICS
 SKIP_REASONS = ("missing", "corrupt")  # values of the `reason` label of the skipped-samples counters
 EXPERT_LABELS = ("high_noise", "low_noise")  # values of the `expert` label, indexed by routing's expert id
 COST_MODEL_LABELS = ("in_use", "refit", "analytic")  # values of the `model` label of the cost-model error gauge
 REFIT_OUTCOMES = ("accepted", "rejected", "kept")  # values of the `outcome` label of the refit counter
+PREPARE_STAGES = ("read", "decode", "resize", "vae", "text", "write")  # values of the `stage` label
 
 
 def metric(name: str) -> MetricDef:

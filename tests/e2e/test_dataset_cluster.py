@@ -1,7 +1,8 @@
 """LatentDatasets on the real control plane (kube-apiserver, the Job controller, KWOK fake nodes), run by the operator
 as `wanloom operator` runs it: plan Job -> Indexed encode Job (completions from the plan pod's summary) -> finalize
 Job -> Ready; a TrainingJob that names the dataset waits Pending, then trains on its output; a dataset that fails
-fails the jobs waiting for it with its reason; a Ready dataset applied again creates nothing.
+fails the jobs waiting for it with its reason; a Ready dataset applied again creates nothing; an operator killed while
+a dataset encodes is replaced, and the new one finishes the dataset with the Jobs the first one made.
 
 KWOK runs no containers: a step's pod succeeds after 4 s with the termination message its container's
 E2E_TERMINATION_MESSAGE holds (.ci/cluster/kwok-stages.yaml), standing in for the summary `wanloom data build`
@@ -33,16 +34,31 @@ def namespace(k8s: Any, module_namespace: str) -> str:
     return module_namespace
 
 
+class Operator:
+    """The module's `wanloom operator` process, which a test may kill and start again."""
+
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        self.cluster, self.namespace = cluster, namespace
+        self.process = start_operator(cluster, namespace, progress_interval=2)
+
+    def kill_and_restart(self) -> None:
+        """SIGKILL (a crash, an OOM kill: no chance to clean up), then a new process, as its Deployment would."""
+        self.process.kill()
+        output, _ = self.process.communicate(timeout=60)
+        print(output[-3000:])
+        self.process = start_operator(self.cluster, self.namespace, progress_interval=2)
+
+
 @pytest.fixture(scope="module")
-def operator(k8s: Any, cluster: Any, namespace: str) -> Iterator[Any]:
-    process = start_operator(cluster, namespace, progress_interval=2)
-    yield process
+def operator(k8s: Any, cluster: Any, namespace: str) -> Iterator[Operator]:
+    running = Operator(cluster, namespace)
+    yield running
     api = k8s.client.CustomObjectsApi()
     api.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, "trainingjobs")
     wait_for(lambda: not api.list_namespaced_custom_object(GROUP, VERSION, namespace, "trainingjobs")["items"],
              "cleanup", 120)  # fmt: skip
-    process.terminate()
-    output, _ = process.communicate(timeout=60)
+    running.process.terminate()
+    output, _ = running.process.communicate(timeout=60)
     print(output[-5000:])
 
 
@@ -153,3 +169,32 @@ def test_a_failed_dataset_fails_the_trainingjobs_waiting_for_it(k8s: Any, namesp
         60,
     )
     assert _condition(job, "DataReady")["reason"] == "DatasetFailed" and "exit code 3" in job["message"], job
+
+
+def test_an_operator_killed_while_a_dataset_encodes_finishes_it_without_duplicate_jobs(
+    k8s: Any, namespace: str, operator: Operator
+) -> None:
+    api = k8s.client.CustomObjectsApi()
+    # KWOK's encode pods take 4 s each, 3 units on 2 pods: the kill lands while units are encoding.
+    dataset = _dataset("restarted-corpus", E2E_TERMINATION_MESSAGE=json.dumps(SUMMARY))
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", dataset)
+    wait_for(
+        lambda: _status(k8s, namespace, "latentdatasets", "restarted-corpus").get("phase") == "Encoding",
+        "the dataset Encoding",
+        120,
+    )
+    before = {n: j.metadata.uid for n, j in _jobs(k8s, namespace, "restarted-corpus").items()}
+    assert sorted(before) == ["restarted-corpus-encode", "restarted-corpus-plan"]
+    operator.kill_and_restart()
+
+    ready = wait_for(
+        lambda: (s := _status(k8s, namespace, "latentdatasets", "restarted-corpus")).get("phase") == "Ready" and s,
+        "the dataset Ready after the restart",
+        180,
+    )
+    after = {n: j.metadata.uid for n, j in _jobs(k8s, namespace, "restarted-corpus").items()}
+    print(f"injected: operator SIGKILL while Encoding; found: jobs {sorted(after)}, status {ready}")
+    # The Jobs the first operator made are the ones that ran: none made again, one finalize added.
+    assert {n: after[n] for n in before} == before
+    assert sorted(after) == sorted([*before, "restarted-corpus-finalize"])
+    assert (ready["shardsDone"], ready["samplesEncoded"]) == (3, 6), ready

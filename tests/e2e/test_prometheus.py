@@ -4,7 +4,8 @@ arrive and run every query of the Grafana dashboard against it.
 Prometheus (Debian's package) runs on 127.0.0.1 with a 1 s scrape interval. Its static targets carry the labels a
 PodMonitor would add (`namespace`, `pod`), so the dashboard's `$namespace` variable has something to select. The
 run's dataset misses one shard, so the loader really skips a sample. The operator's panels read the operator's
-real exporter (OperatorMetrics), fed in-process as its handlers would feed it.
+real exporter (OperatorMetrics), fed in-process as its handlers would feed it; the data-preparation panels read a
+LatentDataset pod's real exporter (PrepareMetrics), fed by a real `prepare` of generated media.
 
 Most of the time goes into XLA compiling the tiny model's step shapes (minutes on a busy 2-core machine; the
 compile cache makes a rerun faster), hence `slow`.
@@ -30,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
-from wanloom_api.metrics import TRAINER_METRICS
+from wanloom_api.metrics import DATASET_METRICS, PREPARE_STAGES, TRAINER_METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "wanloom" / "dashboards" / "wanloom.json"
 PROMETHEUS = shutil.which("prometheus")
 NAMESPACE = "wanloom-e2e"
+LATENTDATASET = "corpus-e2e"
 RATE_INTERVAL = "15s"  # what Grafana's $__rate_interval becomes at a 1 s scrape interval and a short time range
 
 
@@ -219,6 +221,49 @@ class OperatorExporter:
         self.server.server_close()
 
 
+class DatasetExporter:
+    """A LatentDataset encode pod's real exporter (PrepareMetrics), fed by a real ``prepare`` of generated media with
+    the tiny encoders: two images, a clip and a corrupt file, in units of two."""
+
+    def __init__(self, port: int, workdir: Path, latentdataset: str) -> None:
+        import importlib.util
+
+        from PIL import Image
+
+        from wanloom_trainer.data.bucketing import parse_bucket
+        from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
+        from wanloom_trainer.metrics.prepare import PrepareMetrics
+
+        path = ROOT / "tests" / "trainer" / "data" / "tiny_media.py"
+        spec = importlib.util.spec_from_file_location("wanloom_e2e_tiny_media", path)
+        assert spec is not None and spec.loader is not None
+        tiny = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tiny)
+        media = workdir / "media"
+        media.mkdir()
+        for name, (h, w) in {"a.png": (60, 90), "b.png": (64, 64)}.items():
+            Image.new("RGB", (w, h), (200, 30, 30)).save(media / name)
+        tiny.write_video(media / "clip.mp4", frames=20, height=72, width=88, fps=16)
+        (media / "broken.png").write_bytes(b"not a png")
+        for name in ("a.png", "b.png", "clip.mp4", "broken.png"):
+            (media / name).with_suffix(".txt").write_text("a red cat runs on the grass")
+        self.metrics = PrepareMetrics(latentdataset)
+        self.metrics.serve(port, "127.0.0.1")
+        config = PrepareConfig(
+            inputs=media,
+            output=str(workdir / "latents"),
+            model=tiny.write_tiny_encoders(workdir / "encoders"),
+            variant="tiny",
+            buckets=tuple(parse_bucket(b) for b in ("1x64x64", "1x64x96", "9x64x64")),
+            samples_per_shard=2,
+            dtype="float32",
+        )
+        prepare(config, progress=False, workers=1, on_progress=self.metrics.observe)
+
+    def stop(self) -> None:
+        self.metrics.close()
+
+
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, LocalRun, str, OperatorExporter]]:
     if PROMETHEUS is None:
@@ -232,17 +277,20 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     trainingjob = "tiny-e2e"
     job = _write_job(workdir, trainingjob)
     _write_data_with_a_missing_shard(workdir)
-    trainer_port, operator_port = _free_port(), _free_port()
+    trainer_port, operator_port, dataset_port = _free_port(), _free_port(), _free_port()
     run = LocalRun(workdir, job, trainer_port, compile_cache)
     operator = OperatorExporter(operator_port, trainingjob)
+    dataset = None
     prom = None
     try:
+        dataset = DatasetExporter(dataset_port, workdir, LATENTDATASET)
         prom = Prometheus(
             workdir,
             {
                 # The labels a PodMonitor adds to a trainer pod's series.
                 "wanloom-trainer": (trainer_port, {"namespace": NAMESPACE, "pod": f"{trainingjob}-0"}),
                 "wanloom-operator": (operator_port, {"namespace": "wanloom-system"}),
+                "wanloom-dataset": (dataset_port, {"namespace": NAMESPACE, "pod": f"{LATENTDATASET}-encode-0"}),
             },
             _chart_alert_rules(),
         )
@@ -250,6 +298,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     finally:
         if prom is not None:
             prom.stop()
+        if dataset is not None:
+            dataset.stop()
         run.stop()
         operator.stop()
 
@@ -330,6 +380,7 @@ def _substitute(expr: str, trainingjob: str) -> str:
         expr.replace("$__rate_interval", RATE_INTERVAL)
         .replace("$namespace", NAMESPACE)
         .replace("$trainingjob", trainingjob)
+        .replace("$latentdataset", LATENTDATASET)
     )
 
 
@@ -364,6 +415,24 @@ def test_local_run_feeds_the_contract_and_every_dashboard_query(scraped: tuple[A
 
 
 @pytest.mark.slow
+def test_a_dataset_pods_counts_reach_prometheus(scraped: tuple[Any, ...]) -> None:
+    prom = scraped[0]
+    selector = f'{{namespace="{NAMESPACE}", latentdataset="{LATENTDATASET}"}}'
+
+    def value(expr: str) -> float | None:
+        result = prom.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    _wait_for(lambda: value(f"wanloom_prepare_units_total{selector}") == 2, 60, "two units in Prometheus")
+    names = {r["metric"]["__name__"] for r in prom.query('{__name__=~"wanloom_.+", job="wanloom-dataset"}')}
+    assert names == {m.name for m in DATASET_METRICS}
+    assert value(f"wanloom_prepare_samples_total{selector}") == 3  # two images and the clip
+    assert value(f'wanloom_prepare_skipped_total{{reason="undecodable", latentdataset="{LATENTDATASET}"}}') == 1
+    stages = prom.query(f"wanloom_prepare_stage_seconds_total{selector} > 0")
+    assert {r["metric"]["stage"] for r in stages} == set(PREPARE_STAGES)
+
+
+@pytest.mark.slow
 def test_skipped_samples_are_counted(scraped: tuple[Any, ...]) -> None:
     prom, run, trainingjob, _ = scraped
     _wait_until_training_is_steady(prom, run, timeout=600)
@@ -376,6 +445,8 @@ def test_dashboard_variables_resolve(scraped: tuple[Any, ...]) -> None:
     _wait_for(lambda: prom.query("wanloom_step") or run.check_alive(), 600, "wanloom_step")
     assert NAMESPACE in prom.label_values("namespace", "wanloom_step")
     assert trainingjob in prom.label_values("trainingjob", f'wanloom_step{{namespace=~"{NAMESPACE}"}}')
+    match = f'wanloom_prepare_samples_total{{namespace=~"{NAMESPACE}"}}'
+    _wait_for(lambda: LATENTDATASET in prom.label_values("latentdataset", match), 30, "the latentdataset variable")
 
 
 @pytest.mark.slow

@@ -264,7 +264,9 @@ def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
     )
     prefix = f"{namespace}/{name}/checkpoints/"
 
-    pods = _wait(lambda: [p for p in _pods(k8s, namespace, name) if p.status.phase == "Running"] or None, "pods")
+    # Both ranks' pods (rank 0's may start after rank 1's): the series scraped below comes from rank 0's.
+    running = lambda: [p for p in _pods(k8s, namespace, name) if p.status.phase == "Running"]
+    pods = _wait(lambda: len(r := running()) == 2 and r, "both pods running")
     assert {p.spec.node_name for p in pods} == {node["name"]}
     url, targets = prometheus
     _discover(k8s, namespace, operator, targets)
@@ -632,6 +634,11 @@ def test_a_latentdataset_is_encoded_by_two_pods_and_a_trainingjob_trains_on_it(
     assert status["phase"] == "Ready", (status, _logs(k8s, namespace, pods))
     assert status["shardsTotal"] == status["shardsDone"] == 4 and status["inputs"] == 40
     assert status["samplesEncoded"] == 35 and sum(status["skipped"].values()) == len(broken), status
+    # Each encode pod logs a line per unit it wrote: samples, skips and seconds per stage (decoded on its pool).
+    encoded = [p for p in pods if p.metadata.labels.get("wanloom.dev/dataset-step") == "encode"
+               and p.status.phase == "Succeeded"]  # fmt: skip
+    logs = [core.read_namespaced_pod_log(p.metadata.name, namespace) for p in encoded]
+    assert all(re.search(r"unit \d+: \d+ samples, \d+ skipped; read .* write ", log) for log in logs), logs
 
     # The same manifest prepared in one process here (the JAX encoders, as in the pods): the same tensors.
     config = PrepareConfig(

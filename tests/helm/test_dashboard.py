@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from wanloom_api.metrics import ALL_METRICS, OPERATOR_METRICS
+from wanloom_api.metrics import ALL_METRICS, DATASET_METRICS, OPERATOR_METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "wanloom" / "dashboards" / "wanloom.json"
 CONTRACT = {m.name: m for m in ALL_METRICS}
@@ -63,7 +63,9 @@ REQUIRED = {
     "wanloom_skipped_distinct_samples_total",
     "wanloom_last_checkpoint_duration_seconds",
     "wanloom_operator_job_restarts",
-} | {m.name for m in OPERATOR_METRICS if not m.name.startswith("wanloom_operator_job_")}
+}
+REQUIRED |= {m.name for m in DATASET_METRICS}
+REQUIRED |= {m.name for m in OPERATOR_METRICS if not m.name.startswith("wanloom_operator_job_")}
 
 
 def test_required_panels_are_there() -> None:
@@ -87,18 +89,21 @@ def test_trainer_queries_follow_the_namespace_and_trainingjob_variables() -> Non
     for title, expr in _exprs():
         if "wanloom_operator_" in expr:
             continue
+        # A LatentDataset's pods label their series with the dataset, not a TrainingJob.
+        owner = "latentdataset" if "wanloom_prepare_" in expr else "trainingjob"
         for selector in re.findall(r"wanloom_[a-z0-9_]+\{([^}]*)\}", expr):
-            assert 'namespace=~"$namespace"' in selector and 'trainingjob=~"$trainingjob"' in selector, title
+            assert 'namespace=~"$namespace"' in selector and f'{owner}=~"${owner}"' in selector, title
         assert not re.search(r"\bjob\s*(=|!=|=~|!~)", expr), f"{title}: the TrainingJob label is `trainingjob`"
 
 
 def test_variables_and_datasource() -> None:
     variables = {v["name"]: v for v in _dashboard()["templating"]["list"]}
-    assert list(variables) == ["datasource", "namespace", "trainingjob"]
+    assert list(variables) == ["datasource", "namespace", "trainingjob", "latentdataset"]
     assert variables["datasource"]["query"] == "prometheus"
     assert "trainingjob)" in variables["trainingjob"]["definition"]
     assert "$namespace" in variables["trainingjob"]["definition"]
-    for name in ("namespace", "trainingjob"):
+    assert "latentdataset)" in variables["latentdataset"]["definition"]
+    for name in ("namespace", "trainingjob", "latentdataset"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
     for panel in _panels():
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
 from wanloom_api import keys
-from wanloom_api.latentdataset import API_VERSION, KIND, LatentDataset
+from wanloom_api.latentdataset import API_VERSION, KIND, DatasetResources, LatentDataset
 from wanloom_api.topology import ACCELERATOR_TYPES, tpu7x_slice
 from wanloom_operator.render.jobset import PLACEHOLDER_UID
 from wanloom_operator.render.names import MAX_LABEL, POD_SUFFIX, fit_dns1035, fit_label_value
@@ -37,6 +38,17 @@ WEIGHTS_CACHE = f"{keys.RUN_DIR}/weights"
 # Plan and finalize are one short pod each: a few retries cover a node going away; their real failures (a bad
 # manifest, too many bad inputs) exit EXIT_CONFIG_ERROR and fail at once.
 SINGLE_POD_BACKOFF = 3
+_SUFFIXES = {
+    "": 1.0,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+}
 _INDEX_DIGITS = 6  # room for the completion index in pod hostnames (<job>-<index>)
 _LONGEST_STEP = max(len(f"-{s}") for s in STEPS)
 
@@ -110,6 +122,15 @@ class RenderedDataset:
         env = [{"name": "WANLOOM_WEIGHTS_CACHE", "value": WEIGHTS_CACHE}]
         if resources.cpu is not None:  # the TPU image looks for a TPU first
             env.append({"name": "JAX_PLATFORMS", "value": "cpu"})
+        ports: list[dict[str, Any]] = []
+        if step == "encode":  # the chart's PodMonitor scrapes it like a trainer pod
+            env.append({"name": keys.ENV_METRICS_PORT, "value": str(keys.DEFAULT_METRICS_PORT)})
+            ports.append({"name": "metrics", "containerPort": keys.DEFAULT_METRICS_PORT})
+            cpus = _cpu_request(resources)
+            if cpus is not None:  # read and decode on the CPUs the main process does not need
+                env.append({"name": keys.ENV_DECODE_WORKERS, "value": str(max(1, math.ceil(cpus) - 1))})
+                # PyTorch would start a thread per node core; a pod's CPU limit makes those fight over its share.
+                env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, math.ceil(cpus)))})
         env += [{"name": v.name, "value": v.value} for v in (*settings.trainer_pods.env, *resources.env)]
         pod: dict[str, Any] = {
             "restartPolicy": "Never",
@@ -121,6 +142,7 @@ class RenderedDataset:
                     "imagePullPolicy": settings.image_pull_policy,
                     "command": ["wanloom", "data", "build", f"{keys.CONFIG_MOUNT_DIR}/{DATASET_FILE}", "--step", step],
                     "env": env,
+                    **({"ports": ports} if ports else {}),
                     "resources": container_resources,
                     "terminationMessagePolicy": "FallbackToLogsOnError",
                     "volumeMounts": [
@@ -225,6 +247,23 @@ def _placement(
         "memory": gpu.memory or f"{64 * gpu.per_pod}Gi",
     }
     return selector, tolerations, {"requests": requests, "limits": {GPU_RESOURCE: str(gpu.per_pod)}}
+
+
+def _cpu_request(resources: DatasetResources) -> float | None:
+    """CPUs an encode pod requests (None for TPU pods: the pod sizes its pool from the CPUs it sees)."""
+    if resources.cpu is not None:
+        return _cpus(resources.cpu.cpu)
+    if resources.gpu is not None:
+        return _cpus(resources.gpu.cpu) if resources.gpu.cpu else 8.0 * resources.gpu.per_pod
+    return None
+
+
+def _cpus(quantity: str) -> float:
+    """A CPU quantity ("2", "1.5", "500m"; any suffix of ``QUANTITY_PATTERN``) in CPUs."""
+    number = quantity.rstrip("kMGTi")
+    if number.endswith("m"):
+        return float(number[:-1]) / 1000
+    return float(number) * _SUFFIXES[quantity[len(number) :]]
 
 
 def _pod_failure_policy() -> dict[str, Any]:

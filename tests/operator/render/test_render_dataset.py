@@ -48,6 +48,12 @@ def test_the_encode_job_is_indexed_one_completion_per_unit_with_per_index_retrie
     ]
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
     assert {"name": "JAX_PLATFORMS", "value": "cpu"} in container["env"]  # the TPU image looks for a TPU first
+    # Scraped by the chart's PodMonitor (operator label, a port named metrics); decoding on 2 CPUs less the main one.
+    assert job["spec"]["template"]["metadata"]["labels"][keys.LABEL_MANAGED_BY] == keys.MANAGED_BY
+    assert container["ports"] == [{"name": "metrics", "containerPort": keys.DEFAULT_METRICS_PORT}]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env[keys.ENV_METRICS_PORT] == str(keys.DEFAULT_METRICS_PORT)
+    assert env[keys.ENV_DECODE_WORKERS] == "1" and env["OMP_NUM_THREADS"] == "2"
     assert job["metadata"]["ownerReferences"][0] | {"uid": "u-1"} == job["metadata"]["ownerReferences"][0]
     assert job["metadata"]["namespace"] == "media" and not spec["suspend"]
     mounted = yaml.safe_load(made.configmap["data"]["latentdataset.yaml"])
@@ -61,6 +67,7 @@ def test_plan_and_finalize_are_one_small_pod_each() -> None:
         assert (spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (1, 1, 3)
         assert "completionMode" not in spec
         assert spec["template"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}}
+        assert "ports" not in spec["template"]["spec"]["containers"][0]  # nothing to scrape: no encoding
 
 
 def test_gpu_encoders_get_the_gpus_the_node_selector_and_a_host_share() -> None:
@@ -71,6 +78,11 @@ def test_gpu_encoders_get_the_gpus_the_node_selector_and_a_host_share() -> None:
     limits = pod["containers"][0]["resources"]
     assert limits["limits"] == {GPU_RESOURCE: "2"}
     assert limits["requests"] == {GPU_RESOURCE: "2", "cpu": "16", "memory": "128Gi"}
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env[keys.ENV_DECODE_WORKERS] == "15"
+    quarter = _dataset(resources={"cpu": {"cpu": "1500m"}})
+    cpu_env = render_dataset(quarter, OperatorSettings()).job("encode", units=1)["spec"]["template"]["spec"]
+    assert {"name": keys.ENV_DECODE_WORKERS, "value": "1"} in cpu_env["containers"][0]["env"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert pod["serviceAccountName"] == "reader"
     assert job["metadata"]["labels"][keys.KUEUE_QUEUE_NAME] == "prep"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,11 @@ from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.bucketing import parse_bucket
 from wanloom_trainer.data.format import from_bfloat16_bits, to_bfloat16_bits
 from wanloom_trainer.data.prefetch import PlanPrefetcher
+from wanloom_trainer.data.prepare.background_write import BackgroundWrite
+from wanloom_trainer.data.prepare.loading import decode_workers
 from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
 from wanloom_trainer.data.prepare.sources import read_sources
+from wanloom_trainer.data.prepare.stages import STAGES, PrepareProgress, StageClock
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.routing import Router, TimestepSampler
 
@@ -145,6 +149,7 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
         prepare(cfg, progress=False, encoders=SpyEncoders(tiny_model_root, fail_after=2))
     assert not (out / "index.json").exists()
     assert (out / "shards/shard-000000.json").exists()  # shard 0 (a.png, b.jpg) was finished before the stop
+    assert not list((out / "shards").glob("shard-000001*"))  # the unit being written when it stopped: nothing
 
     second = SpyEncoders(tiny_model_root)
     prepare(cfg, progress=False, encoders=second)
@@ -165,6 +170,50 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
     # Resuming with other settings would mix two datasets: refused before anything is encoded.
     with pytest.raises(ValueError, match=r"build\.json records a different build.*buckets"):
         prepare(_config(media_set.folder, str(out), tiny_model_root, buckets=BUCKETS[:2]), progress=False)
+
+
+def test_a_pool_of_decoding_processes_writes_the_same_bytes_and_reports_every_stage(
+    tmp_path: Path, media_set, tiny_model_root: Path
+) -> None:
+    """Read/decode/resize on 2 spawned processes: the same shards as in one process, and each unit's counts."""
+    inline, pooled = tmp_path / "inline", tmp_path / "pooled"
+    prepare(_config(media_set.folder, str(inline), tiny_model_root), progress=False, workers=0)
+    reports: list[PrepareProgress] = []
+    prepare(
+        _config(media_set.folder, str(pooled), tiny_model_root), progress=False, workers=2, on_progress=reports.append
+    )
+    for shard in sorted((inline / "shards").glob("*")):
+        assert (pooled / "shards" / shard.name).read_bytes() == shard.read_bytes()
+    assert (pooled / "index.json").read_text() == (inline / "index.json").read_text()
+
+    assert [r.units for r in reports] == [1, 1, 1]
+    total = PrepareProgress()
+    for r in reports:
+        total.add(r)
+    assert total.samples == len(media_set.good)
+    assert dict(total.skipped) == {"undecodable": len(media_set.bad)}
+    assert set(total.seconds) == set(STAGES)
+    assert all(total.seconds[stage] > 0 for stage in STAGES), total.seconds
+
+
+def test_decode_workers_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANLOOM_DECODE_WORKERS", "3")
+    assert decode_workers() == 3
+    monkeypatch.setenv("WANLOOM_DECODE_WORKERS", "two")
+    with pytest.raises(ValueError, match=r"WANLOOM_DECODE_WORKERS='two': must be a whole number"):
+        decode_workers()
+
+
+def test_a_failing_write_stops_the_encoder_and_is_raised() -> None:
+    class BrokenWriter:
+        def write_shard(self, number: int, samples: Iterator[object], skipped: object) -> int:
+            next(iter(samples))
+            raise OSError("disk full")
+
+    clock = StageClock()
+    with pytest.raises(OSError, match="disk full"), BackgroundWrite(BrokenWriter(), 0, [], clock) as sink:  # type: ignore[arg-type]
+        for _ in range(100):  # more than the queue holds: put must not block once the writer is gone
+            sink.put(object())  # type: ignore[arg-type]
 
 
 def test_missing_empty_and_non_utf8_captions_are_skipped_not_fatal(tmp_path: Path) -> None:

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 from wanloom_api.metrics import MetricDef
@@ -35,3 +45,24 @@ def build_collector(spec: MetricDef, registry: CollectorRegistry) -> MetricWrapp
 def build_collectors(specs: Iterable[MetricDef], registry: CollectorRegistry) -> dict[str, MetricWrapperBase]:
     """Collectors for every row of ``specs``, keyed by the contract name (the exposed name, `_total` included)."""
     return {spec.name: build_collector(spec, registry) for spec in specs}
+
+
+def process_registry() -> CollectorRegistry:
+    """A private registry (two exporters in one process never clash) with the usual process/GC/platform series."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+class HttpServer:
+    """/metrics of ``registry`` on ``addr:port``, served from a daemon thread until ``close``."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+        self._server, self._thread = start_http_server(port, addr, registry=registry)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

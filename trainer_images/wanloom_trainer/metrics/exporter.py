@@ -12,16 +12,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from threading import Thread
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import (
-    CollectorRegistry,
-    GCCollector,
-    PlatformCollector,
-    ProcessCollector,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from wanloom_api.metrics import (
@@ -35,7 +27,7 @@ from wanloom_api.metrics import (
 )
 from wanloom_trainer import flops
 from wanloom_trainer.adaptiveload.metrics import coefficient_of_variation, straggler_overhead
-from wanloom_trainer.metrics.collectors import build_collectors
+from wanloom_trainer.metrics.collectors import HttpServer, build_collectors, process_registry
 from wanloom_trainer.metrics.records import StepRecord, per_rank
 
 log = logging.getLogger(__name__)
@@ -49,9 +41,9 @@ class TrainerMetrics:
         _require(rank >= 0, f"TrainerMetrics: rank must be >= 0, got {rank}")
         self.trainingjob = trainingjob
         self.rank = rank
-        self.registry = registry if registry is not None else _process_registry()
+        self.registry = registry if registry is not None else process_registry()
         self._m = build_collectors((m for m in TRAINER_METRICS if _exported_here(m, rank)), self.registry)
-        self._server: tuple[WSGIServer, Thread] | None = None
+        self._server: HttpServer | None = None
         self._unknown_accelerators: set[str] = set()
         self._expert_samples: dict[int, int] = {}  # samples per expert id in this process, for the share gauge
         # Series at 0 from the start, so rate() and increase() see the first skip instead of a new series.
@@ -67,16 +59,13 @@ class TrainerMetrics:
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics on ``addr:port`` from a daemon thread (returns at once)."""
-        self._server = start_http_server(port, addr, registry=self.registry)
+        self._server = HttpServer(self.registry, port, addr)
         log.info("serving Prometheus metrics on %s:%d (rank %d)", addr, port, self.rank)
 
     def close(self) -> None:
         """Stop the HTTP server started by ``serve`` (no-op if none)."""
         if self._server is not None:
-            server, thread = self._server
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
+            self._server.close()
             self._server = None
 
     # -- recording ------------------------------------------------------------------------------------------------
@@ -227,15 +216,6 @@ def expert_label(expert: int) -> str:
 
 def _exported_here(spec: MetricDef, rank: int) -> bool:
     return spec.exported_by == "trainer" or (spec.exported_by == "trainer rank 0" and rank == 0)
-
-
-def _process_registry() -> CollectorRegistry:
-    """A private registry (two exporters in one process never clash) with the usual process/GC/platform series."""
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    GCCollector(registry=registry)
-    return registry
 
 
 def _require(ok: bool, message: str) -> None:

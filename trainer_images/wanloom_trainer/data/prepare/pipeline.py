@@ -1,13 +1,15 @@
 """``wanloom data prepare``: captioned videos and images → latent shards + shape index.
 
 Inputs (``sources``): a manifest (JSONL, CSV or Parquet, on gs:// or a path), or a folder / gs:// prefix of media
-with sidecar captions. The ordered inputs are cut into **work units** of ``samples_per_shard``, one shard each;
-a unit decodes its sources (ranged reads from GCS), resizes/crops them into their bucket (bucketing.py), encodes
-them in batches of one bucket with the Wan VAE and the umT5 text encoder (encoders.py) and is written as a unit
-(writer.py). A unit's bytes depend only on its inputs and the settings, so any worker may do (or redo) any unit,
-at the same time as another: ``prepare(..., units=[k], finalize=False)`` is one worker of an Indexed Job, and
-``finalize`` joins the shards into the index once every unit is written. Re-running skips finished units. Sources
-that cannot be decoded or fit no bucket are skipped and listed (``skipped.json``), never fatal.
+with sidecar captions. The ordered inputs are cut into **work units** of ``samples_per_shard``, one shard each; a
+unit's sources are read (ranged reads from GCS), decoded and resized into their bucket on a pool of CPU processes
+(loading.py), encoded in batches of one bucket with the Wan VAE and the umT5 text encoder on the main process
+(encoders.py) and written by a background thread as they come (background_write.py, writer.py); each stage's seconds
+go to the log and to the pod's metrics (stages.py). A unit's bytes depend only on its inputs and the settings, so
+any worker may do (or redo) any unit, at the same time as another: ``prepare(..., units=[k], finalize=False)`` is
+one worker of an Indexed Job, and ``finalize`` joins the shards into the index once every unit is written. Re-running
+skips finished units. Sources that cannot be decoded or fit no bucket are skipped and listed (``skipped.json``),
+never fatal.
 """
 
 from __future__ import annotations
@@ -15,19 +17,24 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from wanloom_trainer.config.variants import WanVariant, get_variant
-from wanloom_trainer.data.bucketing import Bucket, choose_bucket, resize_crop, validate_buckets
+from wanloom_trainer.data.bucketing import Bucket, validate_buckets
 from wanloom_trainer.data.format import STORAGE_DTYPES, EncodedSample
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
-from wanloom_trainer.data.prepare.media import MediaError, load_media
-from wanloom_trainer.data.prepare.sources import SourceItem, open_media, read_sources
+from wanloom_trainer.data.prepare.background_write import BackgroundWrite
+from wanloom_trainer.data.prepare.loading import Loaded, LoadSettings, decode_workers, load_all
+from wanloom_trainer.data.prepare.sources import SourceItem, read_sources, skip_kind
+from wanloom_trainer.data.prepare.stages import ProgressCallback, StageClock
 from wanloom_trainer.data.prepare.writer import DatasetWriter
 from wanloom_trainer.data.storage import open_storage
 
@@ -123,9 +130,12 @@ def prepare(
     encoders: Any = None,
     units: Sequence[int] | None = None,
     finalize: bool = True,
+    workers: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> PrepareResult:
     """Run (or resume) a prepare: every unfinished work unit, or only ``units``; then, with ``finalize``, the index.
-    ``encoders`` overrides loading ``WanEncoders`` from ``config.model``."""
+    ``encoders`` overrides loading ``WanEncoders`` from ``config.model``; ``workers`` processes read and decode
+    (default: ``loading.decode_workers()``; 0: in this process); ``on_progress`` gets each written unit's counts."""
     variant = get_variant(config.variant)
     validate_buckets(config.buckets, variant)
     items = read_sources(config.inputs)
@@ -139,17 +149,39 @@ def prepare(
     if todo:
         encoders = encoders or _load_encoders(config, variant)
         _write_empty_prompt(writer, encoders, variant)  # here, so a finalize step needs no encoders
-        total = sum(len(items[k * per : (k + 1) * per]) for k in (range(num_units) if units is None else units))
-        bar = _progress(total, total - sum(len(items[k * per : (k + 1) * per]) for k in todo), progress)
-        for k in todo:
-            shard_items = items[k * per : (k + 1) * per]
-            skipped: list[dict[str, str]] = []
-            samples = _encode_shard(shard_items, config, variant, encoders, skipped, bar)
-            writer.write_shard(k, samples, skipped)
+        shards = {k: items[k * per : (k + 1) * per] for k in (range(num_units) if units is None else units)}
+        total = sum(map(len, shards.values()))
+        bar = _progress(total, total - sum(len(shards[k]) for k in todo), progress)
+        settings = LoadSettings(config.buckets, config.fps)
+        workers = decode_workers() if workers is None else workers
+        with closing(load_all((it for k in todo for it in shards[k]), settings, workers)) as loaded:
+            for k in todo:
+                _write_unit(k, islice(loaded, len(shards[k])), writer, config, variant, encoders, bar, on_progress)
         bar.close()
     if not finalize:
         return PrepareResult(None, writer.skipped())
     return _finalize(config, writer, encoders, variant)
+
+
+def _write_unit(
+    number: int,
+    loaded: Iterator[Loaded],
+    writer: DatasetWriter,
+    config: PrepareConfig,
+    variant: WanVariant,
+    enc: Any,
+    bar: Any,
+    on_progress: ProgressCallback | None,
+) -> None:
+    """Encode one unit's loaded sources while a thread writes it; its counts go to the log and ``on_progress``."""
+    started, clock, skipped = time.monotonic(), StageClock(), []
+    with BackgroundWrite(writer, number, skipped, clock) as sink:
+        for sample in _encode_unit(loaded, config.batch_size, variant, enc, skipped, bar, clock):
+            sink.put(sample)
+    done = clock.take(units=1)
+    log.info("unit %d: %s (%.1f s)", number, done.summary(), time.monotonic() - started)
+    if on_progress is not None:
+        on_progress(done)
 
 
 def _finalize(config: PrepareConfig, writer: DatasetWriter, encoders: Any, variant: WanVariant) -> PrepareResult:
@@ -234,58 +266,56 @@ def _progress(total: int, done: int, enabled: bool) -> Any:
     return tqdm(total=total, initial=done, unit="source", desc="prepare", disable=not enabled)
 
 
-def _encode_shard(
-    items: list[SourceItem], config: PrepareConfig, variant: WanVariant, enc: Any, skipped: list, bar: Any
+def _encode_unit(
+    loaded: Iterator[Loaded],
+    batch_size: int,
+    variant: WanVariant,
+    enc: Any,
+    skipped: list[dict[str, str]],
+    bar: Any,
+    clock: StageClock,
 ) -> Iterator[EncodedSample]:
-    """Decode, bucket and encode a shard's sources, yielding samples batch by batch (bounded memory)."""
-    max_frames = max(b.frames for b in config.buckets)
-    pending: dict[Bucket, list[tuple[SourceItem, np.ndarray, float]]] = {}
-    for item in items:
+    """Encode a unit's loaded sources in batches of one bucket, yielding samples batch by batch (bounded memory);
+    sources that cannot be used are listed in ``skipped``, in input order."""
+    pending: dict[Bucket, list[Loaded]] = {}
+    for source in loaded:
         bar.update(1)
-        if item.problem is not None:
-            log.warning("skipping %s: %s", item.source, item.problem)
-            skipped.append({"source": item.source, "reason": item.problem})
+        for stage, seconds in source.seconds.items():
+            clock.time(stage, seconds)
+        if source.reason is not None or source.bucket is None:
+            log.warning("skipping %s: %s", source.item.source, source.reason)
+            skipped.append({"source": source.item.source, "reason": str(source.reason)})
+            clock.skip(skip_kind(str(source.reason)))
             continue
-        try:
-            with open_media(item.uri) as media:
-                clip = load_media(media, config.fps, max_frames, name=item.uri, start=item.start, end=item.end)
-        except (MediaError, FileNotFoundError) as exc:
-            reason = f"{'missing' if isinstance(exc, FileNotFoundError) else 'undecodable'}: {exc}"
-            log.warning("skipping %s: %s", item.source, reason)
-            skipped.append({"source": item.source, "reason": reason})
-            continue
-        _, h, w, _ = clip.frames.shape
-        bucket = choose_bucket(config.buckets, len(clip.frames), h, w, clip.is_image)
-        if bucket is None:
-            reason = f"no-bucket: fits no bucket ({len(clip.frames)} frames at {config.fps:g} fps, {h}x{w})"
-            log.warning("skipping %s: %s", item.source, reason)
-            skipped.append({"source": item.source, "reason": reason})
-            continue
-        pixels = resize_crop(clip.frames[: bucket.frames], bucket.height, bucket.width)
-        pending.setdefault(bucket, []).append((item, pixels, clip.fps))
-        if len(pending[bucket]) == config.batch_size:
-            yield from _encode_batch(bucket, pending.pop(bucket), variant, enc)
+        pending.setdefault(source.bucket, []).append(source)
+        if len(pending[source.bucket]) == batch_size:
+            yield from _encode_batch(source.bucket, pending.pop(source.bucket), variant, enc, clock)
     for bucket in sorted(pending):
-        yield from _encode_batch(bucket, pending[bucket], variant, enc)
+        yield from _encode_batch(bucket, pending[bucket], variant, enc, clock)
 
 
 def _encode_batch(
-    bucket: Bucket, batch: list[tuple[SourceItem, np.ndarray, float]], variant: WanVariant, enc: Any
+    bucket: Bucket, batch: list[Loaded], variant: WanVariant, enc: Any, clock: StageClock
 ) -> Iterator[EncodedSample]:
-    clips = np.stack([pixels for _, pixels, _ in batch])
+    clips = np.stack([source.pixels for source in batch])
+    started = time.perf_counter()
     latents = enc.encode_pixels(clips)
-    texts = enc.encode_text([item.caption for item, _, _ in batch], variant.text_len)
     conditions = enc.encode_condition(clips) if variant.condition_channels else [None] * len(batch)
-    for (item, _, fps), z, text, cond in zip(batch, latents, texts, conditions, strict=True):
+    encoded = time.perf_counter()
+    texts = enc.encode_text([source.item.caption for source in batch], variant.text_len)
+    clock.time("vae", encoded - started)
+    clock.time("text", time.perf_counter() - encoded)
+    for source, z, text, cond in zip(batch, latents, texts, conditions, strict=True):
+        clock.sample()
         yield EncodedSample(
-            key=f"s{item.ordinal:09d}",
+            key=f"s{source.item.ordinal:09d}",
             latents=z,
             text=text,
             condition=cond,
-            source=item.source,
+            source=source.item.source,
             frames=bucket.frames,
             height=bucket.height,
             width=bucket.width,
-            fps=fps,
-            caption=item.caption,
+            fps=source.fps,
+            caption=source.item.caption,
         )

@@ -22,6 +22,7 @@ from wanloom_api.latentdataset import LatentDataset
 from wanloom_trainer.data.bucketing import Bucket
 from wanloom_trainer.data.prepare.pipeline import PrepareConfig, prepare
 from wanloom_trainer.data.prepare.sources import read_sources, skip_kind
+from wanloom_trainer.data.prepare.stages import ProgressCallback
 from wanloom_trainer.data.storage import GCS_SCHEME
 
 ENCODER_FOLDERS = ("vae", "text_encoder", "tokenizer")
@@ -60,11 +61,17 @@ def plan(dataset: LatentDataset) -> dict[str, Any]:
     return {"inputs": len(items), "units": -(-len(items) // per), "bad": dict(sorted(bad.items()))}
 
 
-def encode(dataset: LatentDataset, units: Sequence[int], device: str | None = None) -> dict[str, Any]:
-    """Encode ``units`` (finished ones are skipped); the encoders load from a local copy of the weights."""
+def encode(
+    dataset: LatentDataset,
+    units: Sequence[int],
+    device: str | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
+    """Encode ``units`` (finished ones are skipped); the encoders load from a local copy of the weights, the media
+    are decoded on ``$WANLOOM_DECODE_WORKERS`` processes; ``on_progress`` gets each unit's counts."""
     started = time.monotonic()
     config = prepare_config(dataset, device, _local_weights(dataset.spec.encoders.weights))
-    prepare(config, progress=False, units=list(units), finalize=False)
+    prepare(config, progress=False, units=list(units), finalize=False, on_progress=on_progress)
     return {"units": list(units), "seconds": round(time.monotonic() - started, 3)}
 
 
@@ -80,10 +87,12 @@ def finalize(dataset: LatentDataset) -> dict[str, Any]:
     }
 
 
-def build(dataset: LatentDataset, device: str | None = None) -> dict[str, Any]:
+def build(
+    dataset: LatentDataset, device: str | None = None, on_progress: ProgressCallback | None = None
+) -> dict[str, Any]:
     """Every step in this process: what the operator's pods do, on one machine."""
     planned = plan(dataset)
-    encode(dataset, range(planned["units"]), device)
+    encode(dataset, range(planned["units"]), device, on_progress)
     return {**planned, **finalize(dataset)}
 
 
