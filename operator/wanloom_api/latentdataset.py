@@ -173,6 +173,13 @@ class LatentDatasetSpec(_Model):
     backoff_limit_per_index: int = Field(
         3, ge=0, le=100, description="Retries of one work unit after failures (evictions and preemptions are free)."
     )
+    storage_outage_seconds: int = Field(
+        600,
+        ge=0,
+        le=86_400,
+        description="How long the corpus or output storage may stay unreachable (a pod waits with backoff and redoes "
+        "the unit, skipping nothing) before the pod fails.",
+    )
     resources: DatasetResources = Field(description="Where the encoding pods run.")
     suspend: bool = Field(False, description="Stop the encoding pods (finished units are kept) until set false.")
 

@@ -11,6 +11,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,7 @@ class FlakyProxy:
         self.target = target.removeprefix("http://")
         self.fail_every, self.mode = fail_every, mode
         self.downloads = self.injected = 0
+        self.down_until = 0.0
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -43,7 +45,15 @@ class FlakyProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 
+    def go_down(self, seconds: float) -> None:
+        """An outage: every request answers 503 for ``seconds``."""
+        self.down_until = time.monotonic() + seconds
+
     def should_fail(self, method: str, path: str) -> bool:
+        if time.monotonic() < self.down_until:
+            with self._lock:
+                self.injected += 1
+            return True
         if method != "GET" or "alt=media" not in path or self.fail_every <= 0:
             return False
         with self._lock:
@@ -64,7 +74,7 @@ class FlakyProxy:
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy.should_fail(self.command, self.path):
-                    if proxy.mode == "drop":
+                    if proxy.mode == "drop" and time.monotonic() >= proxy.down_until:
                         self.connection.shutdown(socket.SHUT_RDWR)
                         self.close_connection = True
                         return

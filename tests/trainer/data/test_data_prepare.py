@@ -175,12 +175,13 @@ def test_interrupted_prepare_resumes_where_it_stopped(tmp_path: Path, media_set,
 def test_a_pool_of_decoding_processes_writes_the_same_bytes_and_reports_every_stage(
     tmp_path: Path, media_set, tiny_model_root: Path
 ) -> None:
-    """Read/decode/resize on 2 spawned processes: the same shards as in one process, and each unit's counts."""
+    """Read/decode/resize on a spawned process (it loads ahead, across units): the same shards as in one process,
+    every unit's sources in it, and each unit's counts."""
     inline, pooled = tmp_path / "inline", tmp_path / "pooled"
     prepare(_config(media_set.folder, str(inline), tiny_model_root), progress=False, workers=0)
     reports: list[PrepareProgress] = []
     prepare(
-        _config(media_set.folder, str(pooled), tiny_model_root), progress=False, workers=2, on_progress=reports.append
+        _config(media_set.folder, str(pooled), tiny_model_root), progress=False, workers=1, on_progress=reports.append
     )
     for shard in sorted((inline / "shards").glob("*")):
         assert (pooled / "shards" / shard.name).read_bytes() == shard.read_bytes()

@@ -5,7 +5,9 @@ emulator: plan, encode units in any order and more than once, finalize; the resu
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,6 +90,46 @@ def test_plan_encode_finalize_steps_give_the_single_process_dataset(
             np.testing.assert_array_equal(a.latents, b.latents)
             np.testing.assert_array_equal(a.text_embeds, b.text_embeds)
     assert built.read("empty_prompt.npy") == open_storage(f"{gcs}/single").read("empty_prompt.npy")
+
+
+def test_a_storage_outage_mid_encode_is_waited_out_and_skips_nothing(
+    flaky_gcs: tuple[str, Any], media_set: Any, tiny_model_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the first unit is written, every GCS request answers 503 for 15 s (longer than a request's retries):
+    the unit being written is redone once storage is back; the dataset equals one built without the outage."""
+    gcs, proxy = flaky_gcs
+    store = open_storage(gcs)
+    for name in ("a.png", "b.jpg", "sub/c.png", "clip.mp4", "broken.png"):
+        store.upload(f"media/{name}", media_set.folder / name)
+        store.upload(f"media/{Path(name).with_suffix('.txt')}", (media_set.folder / name).with_suffix(".txt"))
+
+    def config(output: str) -> PrepareConfig:
+        return PrepareConfig(
+            inputs=f"{gcs}/media", output=f"{gcs}/{output}", model=tiny_model_root, variant="tiny", dtype="float32",
+            buckets=tuple(parse_bucket(b) for b in BUCKETS), batch_size=2, samples_per_shard=2, storage_outage_s=60,
+        )  # fmt: skip
+
+    clean = prepare(config("clean"), progress=False, workers=1)
+    outage_s, started = 15.0, time.monotonic()
+    reports: list[Any] = []
+
+    def outage_after_the_first_unit(report: Any) -> None:
+        reports.append(report)
+        if len(reports) == 1:
+            proxy.go_down(outage_s)
+
+    waited = prepare(config("waited"), progress=False, workers=1, on_progress=outage_after_the_first_unit)
+    print(f"injected: GCS down {outage_s:g} s after unit 0; found: {proxy.injected} requests refused, "
+          f"{len(reports)} units written in {time.monotonic() - started:.1f} s, skipped {waited.skipped}")  # fmt: skip
+    assert proxy.injected > 0 and time.monotonic() - started >= outage_s
+    assert "storage unreachable" in caplog.text and "storage is back" in caplog.text  # waited, as the trainer does
+    assert waited.skipped == clean.skipped  # the outage skipped nothing
+    assert waited.index is not None and clean.index is not None
+    assert list(clean.index.sources) == ["a.png", "b.jpg", "clip.mp4", "sub/c.png"]
+    assert json.loads(waited.index.to_json())["samples"] == json.loads(clean.index.to_json())["samples"]
+    for name in store.list("clean/shards"):
+        if name.endswith(".tar"):
+            assert store.read(name.replace("clean/", "waited/", 1)) == store.read(name), name
 
 
 def test_more_bad_inputs_than_max_bad_samples_fail_the_finalize_with_the_reasons(

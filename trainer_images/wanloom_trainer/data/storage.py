@@ -32,6 +32,9 @@ class MissingObject(FileNotFoundError):
     """The shard or index object does not exist (not retried)."""
 
 
+STREAM_RETRY_S = 10.0  # how long one chunk of a streamed read is retried
+
+
 class TransientStorageError(OSError):
     """A transient error persisted through every retry."""
 
@@ -230,6 +233,8 @@ def is_transient(exc: BaseException) -> bool:
 
     if isinstance(exc, gexc.GoogleAPICallError):
         return getattr(exc, "code", None) in _TRANSIENT_HTTP
+    if isinstance(exc, gexc.RetryError):  # the client's own retry ran out on a transient error
+        return exc.cause is None or is_transient(exc.cause)
     import requests
     from google.auth import exceptions as auth_exc
 
@@ -323,7 +328,11 @@ class GCSStorage(Storage):
     def open_stream(self, name: str) -> BinaryIO:
         if not self.exists(name):
             raise MissingObject(f"{self.join(name)}: not found")
-        return self._blob(name).open("rb", chunk_size=8 << 20)
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        # A short retry of the chunk requests (the client's default waits up to 120 s): blips are absorbed, an
+        # outage reaches the caller soon as a transient error, to be waited out where the whole read can be redone.
+        return self._blob(name).open("rb", chunk_size=8 << 20, retry=DEFAULT_RETRY.with_timeout(STREAM_RETRY_S))
 
     def write_if_absent(self, name: str, data: bytes) -> bool:
         return self._create(name, lambda blob: blob.upload_from_string(data, if_generation_match=0, retry=None))

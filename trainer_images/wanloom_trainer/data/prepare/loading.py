@@ -25,6 +25,7 @@ from wanloom_api.keys import ENV_DECODE_WORKERS
 from wanloom_trainer.data.bucketing import Bucket, choose_bucket, resize_crop
 from wanloom_trainer.data.prepare.media import MediaError, load_media
 from wanloom_trainer.data.prepare.sources import SourceItem, open_media
+from wanloom_trainer.data.storage import GCS_SCHEME, TransientStorageError, is_transient
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ def load_item(item: SourceItem, settings: LoadSettings) -> Loaded:
     except (MediaError, FileNotFoundError) as exc:
         kind = "missing" if isinstance(exc, FileNotFoundError) else "undecodable"
         return Loaded(item, reason=f"{kind}: {exc}")
+    except Exception as exc:
+        if not isinstance(exc, TransientStorageError) and not (item.uri.startswith(GCS_SCHEME) and is_transient(exc)):
+            raise
+        # Storage is down, not the source: the caller waits and redoes the unit. A plain OSError crosses the pool.
+        raise TransientStorageError(f"{item.uri}: {exc}") from None
     loaded = time.perf_counter()
     _, h, w, _ = clip.frames.shape
     bucket = choose_bucket(settings.buckets, len(clip.frames), h, w, clip.is_image)

@@ -31,12 +31,13 @@ from wanloom_trainer.config.variants import WanVariant, get_variant
 from wanloom_trainer.data.bucketing import Bucket, validate_buckets
 from wanloom_trainer.data.format import STORAGE_DTYPES, EncodedSample
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
+from wanloom_trainer.data.outage import StorageBreaker
 from wanloom_trainer.data.prepare.background_write import BackgroundWrite
 from wanloom_trainer.data.prepare.loading import Loaded, LoadSettings, decode_workers, load_all
 from wanloom_trainer.data.prepare.sources import SourceItem, read_sources, skip_kind
 from wanloom_trainer.data.prepare.stages import ProgressCallback, StageClock
 from wanloom_trainer.data.prepare.writer import DatasetWriter
-from wanloom_trainer.data.storage import open_storage
+from wanloom_trainer.data.storage import TransientStorageError, open_storage
 
 log = logging.getLogger(__name__)
 ENCODER_BACKENDS = ("auto", "jax", "torch")
@@ -65,6 +66,8 @@ class PrepareConfig:
             the build records, so every worker records the same).
         encoders: "torch" (diffusers/transformers), "jax" (model/vae_jax.py, umt5_jax.py) or "auto" (torch where
             it is installed, else jax); both give the same latents within float error.
+        storage_outage_s: how long storage may stay unreachable: the unit being written is redone after a wait,
+            nothing is skipped; past it, ``StorageOutage``.
     """
 
     inputs: str | Path
@@ -83,6 +86,7 @@ class PrepareConfig:
     encoder_dtype: str = field(default="float32", compare=False)
     model_root: Path | None = field(default=None, compare=False)
     encoders: str = field(default="auto", compare=False)
+    storage_outage_s: float = field(default=600.0, compare=False)
 
     def __post_init__(self) -> None:
         if self.fps <= 0 or self.batch_size < 1 or self.samples_per_shard < 1:
@@ -154,9 +158,19 @@ def prepare(
         bar = _progress(total, total - sum(len(shards[k]) for k in todo), progress)
         settings = LoadSettings(config.buckets, config.fps)
         workers = decode_workers() if workers is None else workers
-        with closing(load_all((it for k in todo for it in shards[k]), settings, workers)) as loaded:
-            for k in todo:
-                _write_unit(k, islice(loaded, len(shards[k])), writer, config, variant, encoders, bar, on_progress)
+        breaker, attempt = StorageBreaker(config.storage_outage_s), 0
+        while todo:
+            batch = tuple(todo)  # what this pass loads; `todo` shrinks as units are written
+            try:
+                with closing(load_all((it for k in batch for it in shards[k]), settings, workers)) as loaded:
+                    for k in batch:
+                        _write_unit(k, islice(loaded, len(shards[k])), writer, config, variant, encoders, bar,
+                                    on_progress)  # fmt: skip
+                        todo.remove(k)
+                        breaker.succeeded()
+            except TransientStorageError as exc:  # an outage, not bad data: wait, then redo the unit
+                breaker.failed(f"work unit {todo[0]}", str(exc), attempt)
+                attempt += 1
         bar.close()
     if not finalize:
         return PrepareResult(None, writer.skipped())

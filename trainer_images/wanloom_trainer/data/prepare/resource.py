@@ -46,6 +46,7 @@ def prepare_config(dataset: LatentDataset, device: str | None = None, model_root
         samples_per_shard=spec.samples_per_shard,
         dtype=spec.dtype,
         max_skipped=spec.max_bad_samples,
+        storage_outage_s=spec.storage_outage_seconds,
         device=device,
         encoder_dtype=dtype,
         model_root=model_root,
