@@ -296,7 +296,8 @@ def register_webhooks(api: Any, manifest: Path, prefix: str, port: int, groups: 
 
 
 def kueue(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> None:
-    """Kueue's CRDs and controller with only its JobSet integration; its webhooks registered by URL, as JobSet's."""
+    """Kueue's CRDs and controller with its JobSet and batch Job integrations; its webhooks registered by URL, as
+    JobSet's."""
     from kubernetes import client, config
 
     config.load_kube_config(str(STATE / "kubeconfig"))
@@ -334,7 +335,8 @@ def kueue(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> 
         "metrics": {"bindAddress": "0"},
         "health": {"healthProbeBindAddress": f"127.0.0.1:{env['kueue_health_port']}"},
         "manageJobsWithoutQueueName": False,
-        "integrations": {"frameworks": ["jobset.x-k8s.io/jobset"]},
+        # JobSets (TrainingJobs) and plain Jobs (a LatentDataset's steps).
+        "integrations": {"frameworks": ["jobset.x-k8s.io/jobset", "batch/job"]},
     }  # fmt: skip
     (STATE / "kueue-config.yaml").write_text(yaml.safe_dump(cfg))
     # With its own certificate management off, Kueue reads its metrics server's certificate from a fixed path.
@@ -353,7 +355,7 @@ def kueue(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> 
     ])  # fmt: skip
     wait_url("kueue", f"http://127.0.0.1:{env['kueue_health_port']}/readyz")
     register_webhooks(api, bins["KUEUE_BIN"] / "kueue-webhooks.yaml", "kueue", env["kueue_webhook_port"],
-                      ("kueue.x-k8s.io", "jobset.x-k8s.io"))  # fmt: skip
+                      ("kueue.x-k8s.io", "jobset.x-k8s.io", "batch"))  # fmt: skip
 
 
 def kwok(bins: dict[str, Path], env: dict[str, Any], token: dict[str, str]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,74 @@ def test_an_operator_killed_while_a_dataset_encodes_finishes_it_without_duplicat
     assert {n: after[n] for n in before} == before
     assert sorted(after) == sorted([*before, "restarted-corpus-finalize"])
     assert (ready["shardsDone"], ready["samplesEncoded"]) == (3, 6), ready
+
+
+def test_a_queued_dataset_is_admitted_by_kueue_and_suspends_through_its_workload(
+    k8s: Any, cluster: Any, namespace: str, operator: Operator
+) -> None:
+    """spec.resources.queueName: each step's Job is created suspended with the queue label and Kueue admits it.
+    spec.suspend on a queued dataset deactivates the step's Workload (Kueue owns the Job's flag, and would start a
+    Job we suspended again): the Job stays suspended until the dataset is resumed, then the dataset finishes."""
+    import uuid
+
+    if "kueue" not in cluster.env.get("components", ()):
+        pytest.fail("make cluster starts Kueue; this cluster has none (an older .cluster? make cluster-down)")
+    api, suffix = k8s.client.CustomObjectsApi(), uuid.uuid4().hex[:6]
+    kueue = ("kueue.x-k8s.io", "v1beta2")
+    flavor, queue = f"cpu-{suffix}", f"prep-{suffix}"
+    api.create_cluster_custom_object(*kueue, "resourceflavors", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": flavor}, "spec": {},
+    })  # fmt: skip
+    api.create_cluster_custom_object(*kueue, "clusterqueues", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": queue},
+        "spec": {"namespaceSelector": {}, "resourceGroups": [{
+            "coveredResources": ["cpu", "memory"],
+            "flavors": [{"name": flavor, "resources": [
+                {"name": "cpu", "nominalQuota": "100"}, {"name": "memory", "nominalQuota": "1Ti"},
+            ]}],
+        }]},
+    })  # fmt: skip
+    try:
+        api.create_namespaced_custom_object(*kueue, namespace, "localqueues", {
+            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+            "metadata": {"name": "prep", "namespace": namespace}, "spec": {"clusterQueue": queue},
+        })  # fmt: skip
+        doc = _dataset("queued-corpus", E2E_TERMINATION_MESSAGE=json.dumps(SUMMARY))
+        doc["spec"]["resources"]["queueName"] = "prep"
+        doc["spec"]["suspend"] = True
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", doc)
+
+        def workloads() -> list[dict[str, Any]]:
+            return api.list_namespaced_custom_object(*kueue, namespace, "workloads")["items"]
+
+        held = wait_for(
+            lambda: [w for w in workloads() if (w.get("spec") or {}).get("active") is False] or None,
+            "the plan step's Workload deactivated",
+            60,
+        )
+        time.sleep(5)  # long enough for Kueue to have admitted it, were it active
+        plan = _jobs(k8s, namespace, "queued-corpus")["queued-corpus-plan"]
+        assert plan.spec.suspend is True and plan.metadata.labels["kueue.x-k8s.io/queue-name"] == "prep"
+        assert _status(k8s, namespace, "latentdatasets", "queued-corpus")["phase"] == "Suspended"
+        print(f"injected: a queued dataset suspended; found: Workload {held[0]['metadata']['name']} inactive, "
+              "its Job suspended")  # fmt: skip
+
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, "latentdatasets", "queued-corpus",
+                                           {"spec": {"suspend": False}})  # fmt: skip
+        ready = wait_for(
+            lambda: (s := _status(k8s, namespace, "latentdatasets", "queued-corpus")).get("phase") == "Ready" and s,
+            "the resumed dataset Ready",
+            180,
+        )
+        assert (ready["shardsDone"], ready["samplesEncoded"]) == (3, 6), ready
+        jobs = _jobs(k8s, namespace, "queued-corpus").values()
+        assert sorted(j.metadata.name for j in jobs) == [f"queued-corpus-{s}" for s in ("encode", "finalize", "plan")]
+        assert all(j.metadata.labels["kueue.x-k8s.io/queue-name"] == "prep" for j in jobs)
+        admitted = {w["metadata"]["name"] for w in workloads() if any(
+            c["type"] == "Admitted" and c["status"] == "True" for c in (w.get("status") or {}).get("conditions") or []
+        ) or any(c["type"] == "Finished" for c in (w.get("status") or {}).get("conditions") or [])}  # fmt: skip
+        assert len(admitted) == 3, workloads()
+    finally:
+        api.delete_collection_namespaced_custom_object(*kueue, namespace, "localqueues")
+        api.delete_cluster_custom_object(*kueue, "clusterqueues", queue)
+        api.delete_cluster_custom_object(*kueue, "resourceflavors", flavor)

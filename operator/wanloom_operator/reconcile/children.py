@@ -303,7 +303,7 @@ async def _spec_changed(
 
 async def _sync_suspend(out: Outcome, current: dict[str, Any], job: TrainingJob, runtime: Runtime) -> None:
     if job.spec.resources.queue_name:
-        await _sync_workload_active(out, current, job, runtime)
+        await sync_workload_active(out, current, job.spec.suspend, runtime)
         return
     want = job.spec.suspend
     if want == _suspended(current):
@@ -313,24 +313,26 @@ async def _sync_suspend(out: Outcome, current: dict[str, Any], job: TrainingJob,
     out.event("Normal", "Suspended" if want else "Resumed", f"JobSet {meta['name']} suspend={str(want).lower()}")
 
 
-async def _sync_workload_active(out: Outcome, current: dict[str, Any], job: TrainingJob, runtime: Runtime) -> None:
-    """Under Kueue the JobSet's suspend flag is Kueue's: a JobSet we suspend while its Workload is admitted, Kueue
-    starts again. What Kueue offers instead is the Workload's spec.active: false evicts and suspends the JobSet
-    and keeps it out of the queue, true queues it again."""
+async def sync_workload_active(out: Outcome, current: dict[str, Any], suspend: bool, runtime: Runtime) -> None:
+    """Under Kueue a queued object's suspend flag (a JobSet's, a dataset step's Job) is Kueue's: one we suspend while
+    its Workload is admitted, Kueue starts again. What Kueue offers instead is the Workload's spec.active: false
+    evicts and suspends it and keeps it out of the queue, true queues it again."""
     meta = current["metadata"]
     workloads = await runtime.cluster.list_workloads(meta["namespace"], f"{keys.KUEUE_JOB_UID}={meta['uid']}")
     if not workloads:
-        if job.spec.suspend:
-            raise RetryLater(f"waiting for Kueue to create the Workload of JobSet {meta['name']}", delay=2)
+        if suspend:
+            raise RetryLater(f"waiting for Kueue to create the Workload of {current.get('kind')} {meta['name']}", 2)
         return  # created active: nothing to change
-    want = not job.spec.suspend
+    want = not suspend
     for workload in workloads:
         if (workload.get("spec") or {}).get("active", True) == want:
             continue
         name = workload["metadata"]["name"]
         await runtime.cluster.patch_workload(meta["namespace"], name, {"spec": {"active": want}})
         verb = "Resumed" if want else "Suspended"
-        out.event("Normal", verb, f"Kueue Workload {name} active={str(want).lower()} (JobSet {meta['name']})")
+        out.event(
+            "Normal", verb, f"Kueue Workload {name} active={str(want).lower()} ({current.get('kind')} {meta['name']})"
+        )
 
 
 async def ensure_configmap(cm: dict[str, Any], spec_hash: str, runtime: Runtime) -> None:

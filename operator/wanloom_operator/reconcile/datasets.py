@@ -17,7 +17,7 @@ from typing import Any
 from wanloom_api import conditions as cond
 from wanloom_api.latentdataset import DATASET_TERMINAL_PHASES, DatasetPhase, LatentDataset
 from wanloom_api.validation import validate_latentdataset
-from wanloom_operator.reconcile.children import Outcome, ensure_configmap, manifest
+from wanloom_operator.reconcile.children import Outcome, ensure_configmap, manifest, sync_workload_active
 from wanloom_operator.reconcile.runtime import Runtime
 from wanloom_operator.render.dataset import LABEL_DATASET, LABEL_STEP, RenderedDataset, Step, render_dataset
 from wanloom_operator.render.names import fit_label_value
@@ -145,9 +145,13 @@ class _Steps:
         return out
 
     async def _sync_suspend(self, job: Mapping[str, Any]) -> None:
-        """spec.suspend reaches the running step's Job (without a queue; Kueue owns a queued Job's flag)."""
+        """spec.suspend reaches the running step's Job, or with a Kueue queue its Workload (Kueue owns a queued
+        Job's flag)."""
         want = self.rendered.dataset.spec.suspend
-        if self.rendered.dataset.spec.resources.queue_name or bool((job.get("spec") or {}).get("suspend")) == want:
+        if self.rendered.dataset.spec.resources.queue_name:
+            await sync_workload_active(self.out, {"kind": "Job", **job}, want, self.runtime)
+            return
+        if bool((job.get("spec") or {}).get("suspend")) == want:
             return
         await self.runtime.cluster.patch_job(self.namespace, job["metadata"]["name"], {"spec": {"suspend": want}})
         self.out.event("Normal", "Suspended" if want else "Resumed", f"Job {job['metadata']['name']} suspend={want}")

@@ -159,8 +159,10 @@ async def dataset_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, 
 
 async def _reconcile_dataset(body: Mapping[str, Any], runtime: Runtime, retry: int) -> None:
     try:
-        with runtime.metrics.handler("dataset"):
+        with runtime.metrics.handler("dataset", expected=(children.RetryLater,)):
             outcome = await datasets.reconcile_dataset(body, runtime)
+    except children.RetryLater as exc:  # e.g. Kueue has not made a queued step's Workload yet
+        raise kopf.TemporaryError(str(exc), delay=exc.delay) from None
     except ApiError as exc:
         if exc.transient or exc.conflict:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=min(2.0**retry, 30.0)) from None
