@@ -36,7 +36,7 @@ from wanloom_trainer.flops import ACCELERATORS
 ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("1x64x64", "1x96x128", "33x96x128", "17x64x64")
 CPU_STAGES = ("read", "decode", "resize")
-# Wan 2.1 VAE encode of one 81x480x832 clip (A14B's VAE): XLA's FLOP estimate for model/vae_jax.py, from
+# Wan 2.1 VAE encode of one 81x480x832 clip (A14B's VAE): XLA's FLOP estimate for model/encoders/vae_jax.py, from
 # benchmarks/encoders_tpu_compile.py (docs/benchmarks.md). umT5-XXL's encoder (~5.7e9 parameters) over Wan's
 # 512 padded tokens: 2 FLOP per parameter per token.
 VAE_480P_81_FLOP = 164e12

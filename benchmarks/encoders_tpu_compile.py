@@ -2,7 +2,8 @@
 
     PYTHONPATH=operator:trainer_images .venv/bin/python benchmarks/encoders_tpu_compile.py [--cases NAME ...] [--json]
 
-Each case is the data-preparation program (``model/vae_jax.py`` encode or decode, ``model/umt5_jax.py`` encode) at
+Each case is the data-preparation program (``model/encoders/vae_jax.py`` encode or decode,
+``model/encoders/umt5_jax.py`` encode) at
 the real models' sizes, bfloat16, weights replicated, compiled ahead of time for one device of a tpu7x 2x2x1 host
 (a TensorCore: 96 GiB of HBM). The compiled executable's memory analysis says whether it fits; its cost analysis
 (XLA's FLOP and byte estimates) gives a roofline time per item against one device's share of the chip's peaks
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from wanloom_trainer.model import umt5_jax, vae_jax
+from wanloom_trainer.model.encoders import umt5_jax, vae_jax
 
 PEAK_FLOPS_PER_DEVICE = 2307e12 / 2
 HBM_BYTES_PER_SECOND_PER_DEVICE = 7380e9 / 2

@@ -81,7 +81,7 @@ np.save(sys.argv[2], np.stack(enc.encode_text(["a red cat", "the dog runs"], 16)
 def test_the_tokenizer_adds_the_end_token_and_truncates_like_transformers(tiny_model_root: Path) -> None:
     from transformers import AutoTokenizer
 
-    from wanloom_trainer.model.umt5_jax import Tokenizer
+    from wanloom_trainer.model.encoders.umt5_jax import Tokenizer
 
     texts = ["a red cat sits on the grass", "", "the dog runs in the sky " * 4]
     ids, mask = Tokenizer(tiny_model_root / "tokenizer")(texts, max_length=8)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from wanloom_trainer.model import umt5_jax
+from wanloom_trainer.model.encoders import umt5_jax
 
 
 @pytest.mark.parametrize("kind", ["umt5", "t5"])

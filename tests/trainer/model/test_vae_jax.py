@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from wanloom_trainer.model import vae_jax
+from wanloom_trainer.model.encoders import vae_jax
 
 WAN21 = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 WAN22 = {

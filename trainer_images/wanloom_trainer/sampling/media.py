@@ -2,11 +2,11 @@
 frames evenly spaced).
 
 The VAE is diffusers' ``AutoencoderKLWan`` (PyTorch) where PyTorch is installed, else the JAX one
-(``model/vae_jax.py``, the same latents within float error): TPU runs decode their validation videos too. Latents
-are the normalised ones the transformer sees (``data.prepare.encoders``: z = (μ − mean) / std), so decoding first
-undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae`` builds
-a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of the right
-shape (enough to exercise the path, not to look at; the PyTorch and JAX ones are random in their own ways).
+(``model/encoders/vae_jax.py``, the same latents within float error): TPU runs decode their validation videos too.
+Latents are the normalised ones the transformer sees (``data.prepare.encoders``: z = (μ − mean) / std), so decoding
+first undoes the VAE config's ``latents_mean``/``latents_std``. The tiny variants have no real VAE: ``small_vae``
+builds a seeded random one with their latent channels and the Wan strides, which decodes to noise-like clips of the
+right shape (enough to exercise the path, not to look at; the PyTorch and JAX ones are random in their own ways).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def open_vae(spec: DecodeSpec) -> Any:
 def _jax_vae(spec: DecodeSpec) -> JaxVae:
     import jax
 
-    from wanloom_trainer.model import vae_jax
+    from wanloom_trainer.model.encoders import vae_jax
 
     if spec.vae is None:
         c = spec.latent_channels

@@ -1,5 +1,5 @@
-"""The Wan VAE and umT5 text encoder in JAX (``model/vae_jax.py``, ``model/umt5_jax.py``): ``wanloom data prepare
---encoders jax``, and the default where PyTorch is not installed (the TPU image).
+"""The Wan VAE and umT5 text encoder in JAX (``model/encoders/vae_jax.py``, ``model/encoders/umt5_jax.py``):
+``wanloom data prepare --encoders jax``, and the default where PyTorch is not installed (the TPU image).
 
 The same interface and conventions as the PyTorch encoders (encoders.py): uint8 clips in, normalised posterior
 means out as float32 [B, C, T', H', W']; captions cleaned, tokenised to text_len and only the real tokens kept;
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wanloom_trainer.data.prepare.encoders import PixelEncoder, clean_caption
-from wanloom_trainer.model import umt5_jax, vae_jax
+from wanloom_trainer.model.encoders import umt5_jax, vae_jax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -64,8 +64,8 @@ class PrepareConfig:
         max_skipped: inputs that may be skipped before finalize refuses to write the index (None: any).
         model_root: a local copy of ``model`` to load the encoders from (``model`` may be a gs:// URI; it is what
             the build records, so every worker records the same).
-        encoders: "torch" (diffusers/transformers), "jax" (model/vae_jax.py, umt5_jax.py) or "auto" (torch where
-            it is installed, else jax); both give the same latents within float error.
+        encoders: "torch" (diffusers/transformers), "jax" (model/encoders/vae_jax.py, umt5_jax.py) or "auto" (torch
+            where it is installed, else jax); both give the same latents within float error.
         storage_outage_s: how long storage may stay unreachable: the unit being written is redone after a wait,
             nothing is skipped; past it, ``StorageOutage``.
     """
