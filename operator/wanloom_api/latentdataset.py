@@ -104,7 +104,13 @@ class DatasetCPU(_Model):
 
 class DatasetGPU(_Model):
     type: Literal["h100", "h200", "b200", "other"] = Field(description="GPU model; sets the node selector.")
-    per_pod: int = Field(1, ge=1, le=8, description="GPUs per encoding pod (one encoder per GPU).")
+    per_pod: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="GPUs per encoding pod: one encoder replica per GPU, each batch split across them (set "
+        "encoders.batchSize to at least this, or some GPUs idle).",
+    )
     accelerator_label: str | None = Field(
         None, description="Value for cloud.google.com/gke-accelerator; defaults per type (none with 'other')."
     )

@@ -252,6 +252,23 @@ def test_i2v_condition_is_mask_plus_first_frame_latents(tiny_model_root: Path) -
     np.testing.assert_allclose(cond[:, 4:, :1], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_replicas_split_each_batch_in_order_and_encode_what_one_encoder_does(tiny_model_root: Path) -> None:
+    """A pod's GPUs as replicas (two CPU ones here): a batch of 3 split 2 + 1 gives the single encoder's results,
+    in order, for pixels, I2V conditions and captions."""
+    from wanloom_trainer.data.prepare.encoders import EncoderReplicas, WanEncoders
+
+    one = WanEncoders(tiny_model_root)
+    two = EncoderReplicas([WanEncoders(tiny_model_root), WanEncoders(tiny_model_root)])
+    assert (two.latent_channels, two.text_dim, two.vae_stride) == (one.latent_channels, one.text_dim, one.vae_stride)
+    clips = np.random.default_rng(1).integers(0, 255, (3, 9, 32, 32, 3), dtype=np.uint8)
+    np.testing.assert_allclose(two.encode_pixels(clips), one.encode_pixels(clips), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two.encode_condition(clips), one.encode_condition(clips), rtol=1e-5, atol=1e-6)
+    captions = ["a red cat", "the dog runs on the grass", "a bird"]
+    for got, want in zip(two.encode_text(captions, 16), one.encode_text(captions, 16), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(two.encode_pixels(clips[:1])) == 1  # fewer samples than replicas
+
+
 def test_validation_prompts_are_encoded_with_the_dataset(tmp_path: Path, media_set, tiny_model_root: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox in the snow\n\n  waves at dusk  \n")

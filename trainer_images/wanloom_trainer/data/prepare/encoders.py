@@ -13,7 +13,10 @@ Loaded from a diffusers-layout model root (``vae/``, ``text_encoder/``, ``tokeni
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +113,48 @@ class WanEncoders(PixelEncoder):
             hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state.float().cpu().numpy()
         lengths = mask.sum(dim=1).clamp(min=1).cpu().tolist()
         return [hidden[i, : int(n)] for i, n in enumerate(lengths)]
+
+
+class EncoderReplicas:
+    """One ``WanEncoders`` per device of the pod (every GPU it was given): each batch is split across them in
+    order, encoded on a thread per device (the GPU work releases the GIL) and joined in order. Every sample is
+    encoded on its own (no batch statistics; captions padded to the fixed text length), so the split changes no
+    result beyond a kernel's rounding."""
+
+    def __init__(self, replicas: Sequence[WanEncoders]) -> None:
+        if not replicas:
+            raise ValueError("EncoderReplicas needs at least one WanEncoders")
+        self.replicas = list(replicas)
+        first = self.replicas[0]
+        self.latent_channels, self.text_dim, self.vae_stride = first.latent_channels, first.text_dim, first.vae_stride
+        self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="encoder")
+
+    def _split(self, n: int) -> list[slice]:
+        bounds = np.linspace(0, n, min(n, len(self.replicas)) + 1).round().astype(int)
+        return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+    def _map(self, call: Callable[[WanEncoders, Any], Any], items: Any) -> list[Any]:
+        parts = self._split(len(items))
+        return list(self._threads.map(call, self.replicas[: len(parts)], [items[p] for p in parts]))
+
+    def encode_pixels(self, clips: np.ndarray) -> np.ndarray:
+        return np.concatenate(self._map(lambda enc, part: enc.encode_pixels(part), clips))
+
+    def encode_condition(self, clips: np.ndarray) -> np.ndarray:
+        return np.concatenate(self._map(lambda enc, part: enc.encode_condition(part), clips))
+
+    def encode_text(self, captions: list[str], text_len: int) -> list[np.ndarray]:
+        return [t for part in self._map(lambda enc, part: enc.encode_text(part, text_len), captions) for t in part]
+
+
+def load_torch_encoders(model_root: str | Path, device: str, dtype: str) -> WanEncoders | EncoderReplicas:
+    """The encoders on ``device``; "cuda" with several GPUs visible means one replica on each of them."""
+    import torch
+
+    count = torch.cuda.device_count() if device == "cuda" else 1
+    if count <= 1:
+        return WanEncoders(model_root, device, dtype)
+    return EncoderReplicas([WanEncoders(model_root, f"cuda:{i}", dtype) for i in range(count)])
 
 
 def to_unit(clips: np.ndarray, keep_first: bool) -> np.ndarray:

@@ -237,9 +237,9 @@ def _load_encoders(config: PrepareConfig, variant: WanVariant) -> Any:
 
         enc: Any = JaxEncoders(root, config.encoder_dtype)
     else:
-        from wanloom_trainer.data.prepare.encoders import WanEncoders
+        from wanloom_trainer.data.prepare.encoders import load_torch_encoders
 
-        enc = WanEncoders(root, config.device, config.encoder_dtype)
+        enc = load_torch_encoders(root, config.device, config.encoder_dtype)  # a replica per GPU of the pod
     check_encoders(enc, variant)
     return enc
 
