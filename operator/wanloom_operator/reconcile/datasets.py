@@ -108,7 +108,16 @@ class _Steps:
         self.out.fields["message"] = message
 
     async def _failed(self, step: Step, job: Mapping[str, Any]) -> None:
-        reason = next((c.get("message") for c in _conditions(job) if c.get("type") == "Failed"), "") or ""
+        # FailureTarget comes first (Kubernetes >= 1.31 adds Failed once the pods are gone): either one's message
+        # says why (for a FailJob rule, the container and its exit code).
+        reason = next(
+            (
+                c.get("message")
+                for c in _conditions(job)
+                if c.get("type") in ("Failed", "FailureTarget") and c.get("message")
+            ),
+            "",
+        )
         messages = [m for m in await self._messages(step, "Failed") if m]
         # A one-line error from `wanloom data build`, or the log's tail (a traceback): its last line says what.
         detail = messages[0].splitlines()[-1] if messages else reason or f"Job {self.rendered.job_name(step)} failed"
