@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wanloom_trainer.model.encoders import read_safetensors_folder
+
 Params = dict[str, Any]
 
 
@@ -54,15 +56,8 @@ class TextConfig:
 def load_text_encoder(folder: str | Path, dtype: Any = jnp.float32) -> tuple[TextConfig, Params]:
     """A transformers ``text_encoder/`` folder (config.json + safetensors) as (config, params by checkpoint name);
     linear weights transposed to [in, out]."""
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no .safetensors weights (transformers layout expected)")
-    flat: dict[str, np.ndarray] = {}
-    for file in files:
-        flat |= load_file(str(file))
+    flat = read_safetensors_folder(folder, "transformers")
     params = {}
     for name, value in flat.items():
         linear = name.endswith(".weight") and value.ndim == 2 and "relative_attention_bias" not in name

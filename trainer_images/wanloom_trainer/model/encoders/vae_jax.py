@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wanloom_trainer.model.encoders import read_safetensors_folder
+
 Params = dict[str, Any]
 _DN3 = ("NDHWC", "DHWIO", "NDHWC")
 _DN2 = ("NHWC", "HWIO", "NHWC")
@@ -75,15 +77,8 @@ class VaeConfig:
 
 def load_vae(folder: str | Path, dtype: Any = jnp.float32) -> tuple[VaeConfig, Params]:
     """A diffusers ``vae/`` folder (config.json + safetensors) as (config, nested params), kernels channels last."""
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no .safetensors weights (diffusers layout expected)")
-    flat: dict[str, np.ndarray] = {}
-    for file in files:
-        flat |= load_file(str(file))
+    flat = read_safetensors_folder(folder, "diffusers")
     return VaeConfig.from_json(folder / "config.json"), _nest({k: _to_jax(k, v, dtype) for k, v in flat.items()})
 
 
