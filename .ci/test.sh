@@ -3,7 +3,9 @@
 #   1. the images (.ci/images/build.sh) and the control plane's Go build (.ci/cluster/build.sh) start in the
 #      background, niced so the tests keep their speed, while every test not marked `cluster` or `images` runs;
 #   2. once both builds are done, up.py starts the cluster (its binaries now cached) and the `cluster` and `images`
-#      tests run.
+#      tests run;
+#   3. the `disruptive` ones (they stop the API server or the kubelet under a job) run last, one at a time, so no
+#      other test sees the outage they inject.
 # A build that fails makes its tests skip, or, under WANLOOM_REQUIRE_IMAGES / WANLOOM_REQUIRE_E2E (CI), stops the
 # run with the build's log. Build logs: build/logs/. Environment from the Makefile: PY, IMAGES, PYTEST_ARGS.
 set -uo pipefail
@@ -42,8 +44,11 @@ finished images "$images" "$LOGS/images.log" WANLOOM_REQUIRE_IMAGES || exit 1
 finished "control plane" "$cluster" "$LOGS/cluster-build.log" WANLOOM_REQUIRE_E2E || exit 1
 "$PY" .ci/cluster/up.py || [ -z "${WANLOOM_REQUIRE_E2E:-}" ] || exit 1
 
-"${PYTEST[@]}" -m "not exhaustive and (cluster or images)" "${EXTRA[@]}"
+"${PYTEST[@]}" -m "not exhaustive and (cluster or images) and not disruptive" "${EXTRA[@]}"
 second=$?
-echo "test.sh: cluster and image tests: exit $second; $((SECONDS - started)) s in all"
+echo "test.sh: cluster and image tests: exit $second; $((SECONDS - started)) s so far"
+"$PY" -m pytest -p no:xdist -m "not exhaustive and disruptive" "${EXTRA[@]}"
+third=$?
+echo "test.sh: disruptive tests: exit $third; $((SECONDS - started)) s in all"
 # pytest's 5 is "nothing selected" (a PYTEST_ARGS path with no test of that kind), not a failure.
-for code in $first $second; do [ "$code" = 0 ] || [ "$code" = 5 ] || exit "$code"; done
+for code in $first $second $third; do [ "$code" = 0 ] || [ "$code" = 5 ] || exit "$code"; done

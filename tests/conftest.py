@@ -15,6 +15,7 @@ if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
 
 import importlib.util
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from types import ModuleType
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # helpers shared by test folders (storage_proxy); not packages
 GCS_BUCKET = "wanloom-test"
 
 

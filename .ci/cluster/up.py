@@ -7,7 +7,8 @@ images `make images` built are present (``node.py``: containerd, a kubelet, kube
 emulator its pods reach (``gcs.py``). Kueue reads its metrics
 certificate from a fixed path, /etc/kueue/metrics/certs, so up.py runs as root (as CI does). Binaries come from
 ``build.sh`` (Go modules, cached per version). State lives in ``.cluster/``: ``kubeconfig`` (cluster admin),
-``env`` (ports and paths the tests read), ``pids/`` (what ``down.py`` stops) and ``logs/``.
+``env`` (ports and paths the tests read), ``pids/`` (what ``down.py`` stops), ``args/`` (what ``component.py``
+restarts with) and ``logs/``.
 
 Usage: python .ci/cluster/up.py   (idempotent: a running cluster is left as it is)
 """
@@ -133,6 +134,9 @@ def kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
 
 def start(name: str, args: list[str | Path]) -> None:
     pid_file = STATE / "pids" / f"{name}.pid"
+    # component.py starts it again with the same arguments (the fault tests restart the API server, the kubelet).
+    (STATE / "args").mkdir(exist_ok=True)
+    (STATE / "args" / f"{name}.json").write_text(json.dumps([str(a) for a in args]))
     log = open(STATE / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     pid_file.write_text(str(proc.pid))

@@ -38,6 +38,9 @@ class ConditionType(StrEnum):
     SPEC_CHANGE_PENDING = "SpecChangePending"  # True: a spec change waits for the job to be suspended
     DATA_READY = "DataReady"  # spec.data.dataset: False while the LatentDataset is not Ready (message: its phase)
     READY = "Ready"  # a LatentDataset: True once index.json is written
+    # True: a job that was Running has pods that stopped reporting ready (their node stopped answering, its
+    # kubelet stopped); it still runs. Set only once it first happens.
+    DEGRADED = "Degraded"
 
 
 class Reason(StrEnum):
@@ -62,6 +65,8 @@ class Reason(StrEnum):
     ALL_JOBS_READY = "AllJobsReady"
     JOBS_STARTING = "JobsStarting"
     WAITING_FOR_PODS = "WaitingForPods"
+    PODS_NOT_READY = "PodsNotReady"
+    ALL_PODS_READY = "AllPodsReady"
     WAITING_FOR_DATASET = "WaitingForDataset"
     DATASET_NOT_FOUND = "DatasetNotFound"
     DATASET_READY = "DatasetReady"

@@ -363,8 +363,8 @@ class DataSpec(_Model):
         600,
         ge=0,
         le=86_400,
-        description="How long dataset storage may stay unreachable (the loader waits with backoff, skipping "
-        "nothing) before the run fails.",
+        description="How long storage may stay unreachable before the run fails: the loader waits with backoff, "
+        "skipping nothing, and a checkpoint storage lost is made again at the next step once it answers.",
     )
 
 

@@ -22,6 +22,8 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -423,6 +425,70 @@ def test_an_evicted_pod_checkpoints_its_step_and_the_restart_is_not_counted(
     assert first - 1 == preemption[0]
 
 
+def test_storage_gone_while_a_checkpoint_is_written_is_waited_out(
+    k8s: Any, cluster: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """Storage stops answering for 45 s from the first upload of checkpoint 20's arrays (a proxy of this test's
+    own, on the host's address, in front of the emulator: other tests keep their storage). Training waits, nothing
+    crashes or restarts, checkpoint 20 is never listed as committed, the state is saved again once storage is back,
+    and a pod killed afterwards resumes from the last complete checkpoint."""
+    from storage_proxy import FlakyProxy
+
+    proxy = FlakyProxy(storage, fail_every=0, mode="drop", host=cluster.env["host_ip"])
+    name, steps, interval, down_s = "tiny-storage-outage", 150, 20, 45.0
+    prefix = f"{namespace}/{name}/checkpoints/"
+    doc = _trainingjob(name, namespace, node, steps, interval)
+    doc["spec"]["maxRestarts"] = 1  # the kill below, and nothing else
+    doc["spec"]["training"]["checkpoint"]["keep"] = 20
+    doc["spec"]["resources"]["env"] = [
+        {"name": "STORAGE_EMULATOR_HOST", "value": proxy.address},
+        {"name": "TENSORSTORE_GCS_HTTP_URL", "value": proxy.address},
+    ]
+    # From the first upload of the arrays: the bulk of a checkpoint, written after the save's first few ms (see
+    # docs/reliability.md for an outage that starts within those).
+    proxy.go_down_on(f"{prefix}{interval}/state/", down_s, method="POST")
+    core = k8s.client.CoreV1Api()
+    index = "batch.kubernetes.io/job-completion-index"
+
+    def rank0_log() -> str:
+        pods = [p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "0"]
+        try:
+            return (core.read_namespaced_pod_log(pods[0].metadata.name, namespace) or "") if pods else ""
+        except k8s.client.exceptions.ApiException:  # its container not started yet
+            return ""
+
+    try:
+        k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        commits = lambda: [int(n) for n in re.findall(r"checkpoint for step (\d+) committed", rank0_log())]
+        resaved = _wait(lambda: [n for n in commits() if n > interval], "a checkpoint committed after the outage")
+        log = rank0_log()
+        lost = [line[:300] for line in log.splitlines() if "commit" in line or "storage" in line]
+        assert f"checkpoint for step {interval} not committed, storage did not answer" in log, (lost, proxy.outages)
+        committed = _checkpoint_steps(storage, prefix, "commit_success.txt")
+        assert interval not in committed and resaved[0] in committed, (committed, resaved)
+        assert _status(k8s, namespace, name).get("restarts", 0) == 0
+        # A later crash: the next attempt starts from the last complete checkpoint.
+        victim = next(p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "1")
+        before_kill = max(_checkpoint_steps(storage, prefix, "commit_success.txt"))
+        core.delete_namespaced_pod(victim.metadata.name, namespace, grace_period_seconds=0)
+        status = _wait(
+            lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to finish",
+        )
+        pods = _pods(k8s, namespace, name)
+        assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, pods))
+        first = int(re.search(rf"step (\d+)/{steps}", rank0_log())[1])
+        committed = _checkpoint_steps(storage, prefix, "commit_success.txt")
+        print(f"injected: storage down {down_s:.0f} s from {proxy.outages[0][0]!r}, then pod 1 killed after "
+              f"checkpoint {before_kill}; found: restarts {status['restarts']}, checkpoints {sorted(committed)}, "
+              f"second attempt from step {first}, saved again at {resaved[0]}")  # fmt: skip
+        assert len(proxy.outages) == 1 and status["restarts"] == 1
+        assert interval not in committed and steps in committed
+        assert first - 1 >= before_kill and first - 1 in committed
+    finally:
+        proxy.close()
+
+
 def _allowed(k8s: Any, user: str, verb: str, resource: str, namespace: str, group: str = "") -> bool:
     """The API server's own answer (SubjectAccessReview) to whether ``user`` may ``verb`` ``resource``."""
     groups = ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}", "system:authenticated"]
@@ -514,6 +580,156 @@ def test_the_operator_restarted_mid_run_picks_the_job_up_again(
     assert status.get("restarts", 0) == 0
     assert phases <= {"Starting", "Running", "Succeeded"}, phases
     assert updated and _seconds(updated) > deleted  # the new operator read rank 0's progress
+
+
+def _component(action: str, name: str) -> None:
+    """Stop, start or restart one process of `make cluster` (.ci/cluster/component.py)."""
+    subprocess.run([sys.executable, ROOT / ".ci" / "cluster" / "component.py", action, name], check=True)
+
+
+class _PhaseWatch:
+    """Every phase the TrainingJob's status showed, read once a second on a thread (reads that fail while the API
+    server is away are counted, not recorded)."""
+
+    def __init__(self, k8s: Any, namespace: str, name: str) -> None:
+        self.k8s, self.namespace, self.name = k8s, namespace, name
+        self.phases: list[str] = []
+        self.unanswered = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                phase = _status(self.k8s, self.namespace, self.name).get("phase")
+            except Exception:  # the API server is away: that is the fault being injected
+                self.unanswered += 1
+                continue
+            if phase and (not self.phases or self.phases[-1] != phase):
+                self.phases.append(phase)
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join()
+        return self.phases
+
+
+def _answers(k8s: Any) -> bool:
+    try:
+        return bool(k8s.client.VersionApi().get_code(_request_timeout=2))
+    except Exception:  # refused or reset while it starts
+        return False
+
+
+@pytest.mark.disruptive
+def test_the_api_server_restarted_mid_run_loses_nothing(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """kube-apiserver stopped and started again (an upgrade, a crash) under a running job: every client's watch
+    (the operator's, the kubelet's, JobSet's) recovers, progress resumes in the status, the job finishes once with
+    no restart and one JobSet, and the phase read meanwhile is always a true one."""
+    name, steps, interval = "tiny-apiserver-restart", 150, 75
+    api = k8s.client.CustomObjectsApi()
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _trainingjob(name, namespace, node, steps,
+                                                                                          interval))  # fmt: skip
+    watch = _PhaseWatch(k8s, namespace, name)
+    try:
+        step = lambda: (_status(k8s, namespace, name).get("progress") or {}).get("step") or 0
+        before = _wait(lambda: (n := step()) >= 5 and n, "progress")
+        jobset_uid = api.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)[
+            "metadata"
+        ]["uid"]
+        stopped = time.monotonic()
+        _component("restart", "kube-apiserver")
+        _wait(lambda: _answers(k8s), "the API server back", 60)
+        away_s = time.monotonic() - stopped
+        restarted = time.time()
+        resumed = _wait(
+            lambda: (
+                (p := _status(k8s, namespace, name).get("progress") or {}).get("step", 0) > before
+                and _seconds(p["updatedAt"]) > restarted
+                and p
+            ),
+            "progress after the restart",
+        )
+        status = _wait(
+            lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to finish",
+        )
+    finally:
+        phases = watch.stop()
+    jobsets = api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+    ours = [j["metadata"]["uid"] for j in jobsets if j["metadata"]["name"] == name]
+    print(f"injected: kube-apiserver restarted at step {before} (away {away_s:.1f} s, {watch.unanswered} reads "
+          f"unanswered); found: {status['phase']}, phases {phases}, progress step {resumed['step']} after it, "
+          f"JobSets {ours} (first {jobset_uid}), restarts {status.get('restarts', 0)}")  # fmt: skip
+    assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, _pods(k8s, namespace, name)))
+    assert ours == [jobset_uid] and status.get("restarts", 0) == 0
+    assert set(phases) <= {"Starting", "Running", "Succeeded"}, phases  # the watch may stop before it reads the end
+
+
+def _node_ready(k8s: Any, name: str) -> str:
+    node = k8s.client.CoreV1Api().read_node(name)
+    return next((c.status for c in node.status.conditions or () if c.type == "Ready"), "Unknown")
+
+
+@pytest.mark.disruptive
+def test_a_node_lost_under_a_running_job_is_reported_and_the_job_finishes(
+    k8s: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """The real node's kubelet stopped until the node controller marks the node NotReady (its pods not ready), then
+    started: the containers ran on meanwhile, so the job stays Running with Degraded=True (never Starting or
+    Failed), finishes Succeeded without a restart and with one JobSet, and its checkpoint steps only increase."""
+    name, steps, interval = "tiny-node-lost", 150, 25
+    api = k8s.client.CustomObjectsApi()
+    doc = _trainingjob(name, namespace, node, steps, interval)
+    doc["spec"]["training"]["checkpoint"]["keep"] = 20
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    watch = _PhaseWatch(k8s, namespace, name)
+    stopped = False
+    try:
+        _wait(lambda: ((_status(k8s, namespace, name).get("progress") or {}).get("step") or 0) >= 5, "progress")
+        jobset_uid = api.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)[
+            "metadata"
+        ]["uid"]
+        _component("stop", "kubelet")
+        stopped, lost_at = True, time.monotonic()
+        _wait(lambda: _node_ready(k8s, node["name"]) != "True", "the node NotReady", 180)
+        not_ready_after = time.monotonic() - lost_at
+        conditions = lambda: {c["type"]: c for c in _status(k8s, namespace, name).get("conditions") or ()}
+        degraded = _wait(lambda: (c := conditions().get("Degraded")) and c["status"] == "True" and c, "Degraded", 60)
+        phase_while_lost = _status(k8s, namespace, name)["phase"]
+        _component("start", "kubelet")
+        stopped = False
+        lost_s = time.monotonic() - lost_at
+        _wait(lambda: _node_ready(k8s, node["name"]) == "True", "the node Ready again", 120)
+        status = _wait(
+            lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to finish",
+        )
+    finally:
+        if stopped:
+            _component("start", "kubelet")
+        phases = watch.stop()
+    jobsets = api.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+    ours = [j["metadata"]["uid"] for j in jobsets if j["metadata"]["name"] == name]
+    pods = _pods(k8s, namespace, name)
+    index = "batch.kubernetes.io/job-completion-index"
+    rank0 = next(p for p in pods if p.metadata.annotations.get(index) == "0")
+    log = k8s.client.CoreV1Api().read_namespaced_pod_log(rank0.metadata.name, namespace)
+    commits = [int(n) for n in re.findall(r"checkpoint for step (\d+) committed", log)]
+    final = {c["type"]: c for c in status.get("conditions") or ()}
+    print(f"injected: kubelet stopped {lost_s:.0f} s (node NotReady after {not_ready_after:.0f} s); found: "
+          f"{status['phase']}, phases {phases}, phase while lost {phase_while_lost}, Degraded {degraded['message']!r} "
+          f"then {final['Degraded']['status']}, restarts {status.get('restarts', 0)}, JobSets {len(ours)}, "
+          f"checkpoints committed in order {commits}")  # fmt: skip
+    assert status["phase"] == "Succeeded", (status, _logs(k8s, namespace, pods))
+    assert phase_while_lost == "Running" and set(phases) <= {"Starting", "Running", "Succeeded"}, phases
+    assert final["Degraded"]["status"] == "False"
+    assert ours == [jobset_uid] and status.get("restarts", 0) == 0
+    assert commits == sorted(set(commits)) and commits[-1] == steps  # one writer per step, steps only increase
+    assert set(commits) <= _checkpoint_steps(storage, f"{namespace}/{name}/checkpoints/", "commit_success.txt")
 
 
 def _seconds(rfc3339: str) -> float:

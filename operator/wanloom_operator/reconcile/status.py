@@ -15,7 +15,9 @@ counts of Jobs, but no Running condition; the phase is derived in this order (fi
 | some Job active or ready                            | Starting   |
 | otherwise                                           | Pending    |
 
-A Job is "ready" in JobSet's count when all its pods are ready or done.
+A Job is "ready" in JobSet's count when all its pods are ready or done. A job that was Running and loses ready
+pods without a restart (the node controller marks the pods of a node that stopped answering not ready) stays
+Running, with the condition Degraded=True saying so: its containers run on, and a restart would show as one.
 """
 
 from __future__ import annotations
@@ -105,6 +107,19 @@ def derive_status(
     info = derive_phase(jobset, intent, now)
     if failure and info.phase == Phase.FAILED:
         info = PhaseInfo(info.phase, info.reason, failure)
+    js_status = jobset.get("status") or {}
+    restarts = int(js_status.get("restarts") or 0)
+    degraded = (
+        info.phase == Phase.STARTING
+        and previous.get("phase") == Phase.RUNNING
+        and restarts == int(previous.get("restarts") or 0)
+    )
+    if degraded:
+        info = PhaseInfo(
+            Phase.RUNNING,
+            Reason.PODS_NOT_READY,
+            f"{info.message}: pods stopped reporting ready (their node may have stopped answering); the job runs on",
+        )
     conditions = list(previous.get("conditions") or [])
     for phase, type_ in _PHASE_CONDITIONS.items():
         active = info.phase == phase
@@ -128,11 +143,20 @@ def derive_status(
         now=now,
         generation=generation,
     )
-    js_status = jobset.get("status") or {}
+    if degraded or any(c.get("type") == cond.ConditionType.DEGRADED for c in conditions):
+        conditions = cond.set_condition(
+            conditions,
+            cond.ConditionType.DEGRADED,
+            "True" if degraded else "False",
+            Reason.PODS_NOT_READY if degraded else Reason.ALL_PODS_READY,
+            info.message if degraded else "",
+            now=now,
+            generation=generation,
+        )
     patch: dict[str, Any] = {
         "phase": info.phase,
         "conditions": conditions,
-        "restarts": int(js_status.get("restarts") or 0),
+        "restarts": restarts,
         "replicatedJobs": [_replicated_job(r) for r in js_status.get("replicatedJobsStatus") or []],
     }
     if info.phase in (Phase.STARTING, Phase.RUNNING) and not previous.get("startTime"):

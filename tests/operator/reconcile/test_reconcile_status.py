@@ -124,3 +124,22 @@ def test_a_failed_run_says_what_the_trainer_said() -> None:
     assert next(c for c in patch["conditions"] if c["type"] == "Failed")["message"] == reason
     running = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T", failure=reason)
     assert "message" not in running  # only a failed phase takes it
+
+
+def test_a_running_job_whose_pods_stop_reporting_ready_stays_running_and_says_so() -> None:
+    """The node controller marks the pods of a node that stopped answering not ready: JobSet's ready count drops.
+    The job is not starting again (no restart): it stays Running with Degraded=True, which clears once they are
+    ready again. A job that had not been Running, or that restarted, is Starting as before."""
+    running = derive_status(jobset(active=2, ready=2), Intent(), {}, now="T1")
+    assert not any(c["type"] == "Degraded" for c in running["conditions"])  # set only once it happens
+    lost = derive_status(jobset(active=2, ready=1), Intent(), {**running}, now="T2")
+    degraded = {c["type"]: c for c in lost["conditions"]}["Degraded"]
+    assert lost["phase"] == "Running" and degraded["status"] == "True" and degraded["reason"] == "PodsNotReady"
+    assert "1/2 Jobs ready" in degraded["message"]
+    back = derive_status(jobset(active=2, ready=2), Intent(), {**running, **lost}, now="T3")
+    degraded = {c["type"]: c for c in back["conditions"]}["Degraded"]
+    assert back["phase"] == "Running" and degraded["status"] == "False" and degraded["reason"] == "AllPodsReady"
+    js = jobset(active=2, ready=1)
+    js["status"]["restarts"] = 1
+    assert derive_status(js, Intent(), {**running}, now="T2")["phase"] == "Starting"
+    assert derive_status(jobset(active=2, ready=1), Intent(), {}, now="T1")["phase"] == "Starting"

@@ -6,103 +6,18 @@ AutoencoderKLWan / UMT5EncoderModel built and saved here, the media are generate
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_media beside this file (test dirs are not packages)
+from storage_proxy import FlakyProxy
 from tiny_media import write_tiny_encoders, write_video
-
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "upgrade"}
-
-
-class FlakyProxy:
-    """HTTP proxy in front of the emulator that breaks every ``fail_every``-th object download.
-
-    ``mode`` "503" answers Service Unavailable; "drop" closes the connection without an answer. Counters show how
-    many downloads went through and how many were broken.
-    """
-
-    def __init__(self, target: str, fail_every: int, mode: str = "503") -> None:
-        self.target = target.removeprefix("http://")
-        self.fail_every, self.mode = fail_every, mode
-        self.downloads = self.injected = 0
-        self.down_until = 0.0
-        self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def go_down(self, seconds: float) -> None:
-        """An outage: every request answers 503 for ``seconds``."""
-        self.down_until = time.monotonic() + seconds
-
-    def should_fail(self, method: str, path: str) -> bool:
-        if time.monotonic() < self.down_until:
-            with self._lock:
-                self.injected += 1
-            return True
-        if method != "GET" or "alt=media" not in path or self.fail_every <= 0:
-            return False
-        with self._lock:
-            self.downloads += 1
-            fail = self.downloads % self.fail_every == 0
-            self.injected += int(fail)
-            return fail
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _forward(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy.should_fail(self.command, self.path):
-                    if proxy.mode == "drop" and time.monotonic() >= proxy.down_until:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                        self.close_connection = True
-                        return
-                    self.send_response(503)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                conn = http.client.HTTPConnection(proxy.target, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in _HOP_BY_HOP:
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
-
-        return Handler
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

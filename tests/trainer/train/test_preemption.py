@@ -184,22 +184,23 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
 
     from wanloom_trainer.feed.plan_ahead import CostSchedule
     from wanloom_trainer.train.run import RunResult, _Loop
+    from wanloom_trainer.train.saves import Saves
     from wanloom_trainer.train.schedule import Segment
 
     loop = _Loop.__new__(_Loop)  # only the checkpoint bookkeeping: no model, no data
     loop.config = SimpleNamespace(seed=0, model=SimpleNamespace(variant="tiny"), job_name="t",
                                   routing=SimpleNamespace(mode="per-sample", boundary_ratio=0.875))  # fmt: skip
     loop.backend, loop.reporter, loop.result = _AsyncSaves(), _Reports(), RunResult(0, 0)
-    loop.data, loop.pending = None, None
+    loop.data, loop.saves = None, Saves(loop.backend, "ckpt", 600.0, loop._committed)
     loop.schedule = CostSchedule(None, start=0, lag=None)
     loop.lr_segment = Segment(100)
     loop.save(state=None, next_step=50)
     assert loop.reporter.checkpoints == [] and loop.result.checkpoints == []  # still being written
-    loop._report_commit(wait=False)
+    loop.saves.settle(wait=False)
     assert loop.reporter.checkpoints == []
     loop.backend.writing = False  # committed in the background
-    loop._report_commit(wait=False)
+    loop.saves.settle(wait=False)
     assert [s for s, _ in loop.reporter.checkpoints] == [50] and loop.result.checkpoints == [50]
     loop.save(state=None, next_step=100)
-    loop._report_commit(wait=True)  # end of the run (or SIGTERM): wait for the commit
+    loop.saves.settle(wait=True)  # end of the run (or SIGTERM): wait for the commit
     assert loop.result.checkpoints == [50, 100] and all(seconds >= 0 for _, seconds in loop.reporter.checkpoints)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from wanloom_trainer.adaptiveload.cost.refit import OnlineRefit, decode_model, encode_model
 from wanloom_trainer.backends.interface import Backend, StepInputs
 from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.data.storage import RetryPolicy, open_storage
 from wanloom_trainer.evaluation.validation import Validator
 from wanloom_trainer.feed.inputs import make_planner, renormalised, step_slots
 from wanloom_trainer.feed.plan_ahead import CostSchedule
@@ -36,6 +37,7 @@ from wanloom_trainer.feed.process import PLAN_DEPTH, STEPS_AHEAD, DataProcess, P
 from wanloom_trainer.metrics.records import StepLog
 from wanloom_trainer.train.loss_log import plot_losses, read_events, read_log, read_validation
 from wanloom_trainer.train.reporting import Reporter, start_exporter, step_log
+from wanloom_trainer.train.saves import Saves
 from wanloom_trainer.train.schedule import Segment, expert_lr_scales, learning_rates, resumed_segment
 
 if TYPE_CHECKING:
@@ -204,7 +206,12 @@ class _Loop:
         self.config, self.backend, self.planner = config, backend, planner
         self.reporter, self.result, self.on_step = reporter, result, on_step
         self.stop = stop or StopRequest()
-        self.pending: tuple[int, float] | None = None  # (next_step, start) of a save not yet committed
+        uri = config.checkpoint.uri
+        probe = (lambda: open_storage(uri, RetryPolicy(attempts=3)).exists(".wanloom-probe")) if uri else None
+        self.saves = Saves(
+            backend, str(uri), config.data.storage_outage_seconds, self._committed,
+            on_outage=reporter.metrics.record_storage_outage, probe=probe,
+        )  # fmt: skip
         self.ranks = list(backend.local_ranks(config.parallel.batch_ranks))
         self.lr_scales = expert_lr_scales(config.optimizer, config.routing, config.model.num_experts)
         self.data: DataProcess | None = None
@@ -249,7 +256,8 @@ class _Loop:
             self.schedule.close()
             # A stop while waiting does not wait long for loads that may never finish.
             self.data.close(timeout_s=5.0 if self.data.interrupted else None)
-        self._report_commit(wait=True)
+        if self.result.stopped_by is None:  # a stop settled its own saves
+            self._settle_saves(state)
         return state
 
     def _lr_segment(self, meta: dict[str, Any], start: int) -> Segment:
@@ -275,10 +283,11 @@ class _Loop:
 
     def _stop(self, state: Any) -> None:
         next_step = self.result.next_step
-        saved = [self.result.start_step, *self.result.checkpoints, *self._pending()]  # the start: restored or fresh
+        pending = [self.saves.pending.next_step] if self.saves.pending is not None else []
+        saved = [self.result.start_step, *self.result.checkpoints, *pending]  # the start: restored or fresh
         if self.config.checkpoint.uri is not None and next_step not in saved:
             self.save(state, next_step)
-        self._report_commit(wait=True)
+        self._settle_saves(state)
         self.result.stopped_by = self.stop.signal or "a peer's SIGTERM"
         log.warning("stopped by %s before step %d; last committed checkpoint: %s", self.result.stopped_by, next_step,
                     self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
@@ -289,29 +298,23 @@ class _Loop:
         if self.backend.process_count == 1:
             self._stop(state)
             return
-        self._report_commit(wait=True)
+        self.saves.settle(wait=True, agree=False)  # no collective: the others may be inside a step's
         self.result.stopped_by = self.stop.signal
         log.warning("stopped by %s while waiting for the data of step %d: no new checkpoint (last committed: %s)",
                     self.stop.signal, self.result.next_step,
                     self.result.checkpoints[-1] if self.result.checkpoints else "none")  # fmt: skip
 
-    def _pending(self) -> list[int]:
-        return [] if self.pending is None else [self.pending[0]]
-
-    def _report_commit(self, *, wait: bool) -> None:
-        """Report the pending save once it has committed (the metric, status and log follow commits only)."""
-        if self.pending is None:
-            return
-        if wait:
-            self.backend.wait_checkpoint()
-        elif self.backend.checkpoint_pending():
-            return
-        next_step, started = self.pending
-        self.pending = None
-        seconds = time.perf_counter() - started
+    def _committed(self, next_step: int, seconds: float) -> None:
         self.reporter.checkpoint(next_step, seconds)
         self.result.checkpoints.append(next_step)
-        log.info("checkpoint for step %d committed (%.1f s after the save started)", next_step, seconds)
+
+    def _settle_saves(self, state: Any) -> None:
+        """Wait for the save in flight; a save storage lost is made again from ``state`` until one commits (or the
+        outage outlasts spec.data.storageOutageSeconds)."""
+        self.saves.settle(wait=True)
+        while self.saves.resave:
+            self.save(state, self.result.next_step)
+            self.saves.settle(wait=True)
 
     def step(self, state: Any, step_data: tuple[Any, ...]) -> Any:
         cfg = self.config
@@ -396,9 +399,9 @@ class _Loop:
                 self.data.decide(plan.step, model)
 
     def _checkpoint(self, state: Any, next_step: int) -> Any:
-        """Report a save that has committed meanwhile; start the next one when due."""
-        self._report_commit(wait=False)
-        if self._checkpoint_due(next_step):
+        """Report a save that has committed meanwhile; start the next one when due, or when storage lost the last."""
+        self.saves.settle(wait=False)
+        if self._checkpoint_due(next_step) or self.saves.resave:
             self.save(state, next_step)
         return state
 
@@ -429,11 +432,8 @@ class _Loop:
             "lr_schedule": self.lr_segment.to_dict(),
             "saved_at": time.time(),  # the checkpoint-age gauge of a run that resumes from it
         }
-        self._report_commit(wait=True)  # one save in flight at a time
-        started = time.perf_counter()
-        self.backend.save(state, next_step, meta)
-        self.pending = (next_step, started)
-        self._report_commit(wait=False)  # synchronous backends have committed already
+        self.saves.settle(wait=True)  # one save in flight at a time
+        self.saves.start(state, next_step, meta)
 
 
 def finish(config: TrainConfig, backend: Backend, result: RunResult, reporter: Reporter) -> None:

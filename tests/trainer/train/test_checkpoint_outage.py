@@ -1,0 +1,133 @@
+"""Storage that goes away while a checkpoint is written: the run waits it out (no crash), the save that storage
+lost is never listed, the next step saves again once storage answers, and a resumed run starts from the last
+complete checkpoint. Past spec.data.storageOutageSeconds the run fails naming storage and that field.
+
+The end-to-end case is real: `wanloom run` with orbax writing gs:// through gcsfs and tensorstore to the GCS
+emulator, behind a proxy that drops every request for 35 s from the first one of a chosen checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from storage_proxy import FlakyProxy
+
+from wanloom_trainer.data.outage import StorageOutage
+from wanloom_trainer.train.saves import Saves, is_storage_outage
+
+ROOT = Path(__file__).resolve().parents[3]
+CLI = "import sys; from wanloom_cli import main; sys.argv[0] = 'wanloom'; main()"
+
+
+class _Backend:
+    """The backend surface ``Saves`` uses, with a save whose commit fails as gcsfs reports a server outage."""
+
+    process_count = 1
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.saved = failures, []
+
+    def save(self, state: Any, next_step: int, meta: dict[str, Any]) -> float:
+        self.saved.append(next_step)
+        return 0.0
+
+    def checkpoint_pending(self) -> bool:
+        return False
+
+    def wait_checkpoint(self) -> None:
+        from gcsfs.retry import HttpError
+
+        if self.failures:
+            self.failures -= 1
+            raise HttpError({"code": 503, "message": "Service Unavailable"})
+
+
+def test_a_lost_save_is_dropped_and_made_again_then_committed() -> None:
+    committed: list[int] = []
+    saves = Saves(_Backend(failures=1), "gs://b/ck", 60.0, lambda step, _s: committed.append(step))
+    saves.breaker._sleep = lambda _s: None  # the backoff itself is the breaker's (tests/trainer/data)
+    saves.start({}, 10, {})
+    assert (saves.pending, saves.resave, committed) == (None, True, [])
+    saves.start({}, 11, {})
+    assert (saves.resave, committed) == (False, [11])
+
+
+def test_an_outage_past_the_limit_fails_naming_storage_and_the_field() -> None:
+    saves = Saves(_Backend(failures=5), "gs://b/ck", 0.0, lambda step, _s: None)
+    with pytest.raises(StorageOutage, match=r"checkpoints \(gs://b/ck\).*spec\.data\.storageOutageSeconds=0"):
+        saves.start({}, 10, {})
+
+
+def test_what_counts_as_an_outage() -> None:
+    import aiohttp
+    from gcsfs.retry import HttpError
+
+    dropped = aiohttp.ServerDisconnectedError()
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = HttpError({"code": 503, "message": "x"})
+    outages = [HttpError({"code": 503, "message": "x"}), dropped, ValueError("UNAVAILABLE: gcs down"), wrapped]
+    assert all(is_storage_outage(e) for e in outages)
+    others = [HttpError({"code": 403, "message": "denied"}), ValueError("bad shape"), FileNotFoundError("x")]
+    assert not any(is_storage_outage(e) for e in others)
+
+
+def _run(tmp_path: Path, name: str, uri: str, steps: int, proxy: FlakyProxy) -> subprocess.CompletedProcess[str]:
+    text = (ROOT / "jobs" / "tiny-local.yaml").read_text()
+    text = text.replace("uri: runs/tiny-local/data", f"uri: {tmp_path / 'data'}")
+    text = text.replace("uri: runs/tiny-local/checkpoints", f"uri: {uri}")
+    text = text.replace("interval: 50", "interval: 5").replace("keep: 2", "keep: 20")
+    (tmp_path / name).mkdir()
+    job = tmp_path / name / "job.yaml"
+    job.write_text(text)
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": proxy.address, "TENSORSTORE_GCS_HTTP_URL": proxy.address,
+           "GOOGLE_CLOUD_PROJECT": "wanloom-test"}  # fmt: skip
+    args = [
+        "run",
+        str(job),
+        "--steps",
+        str(steps),
+        "--metrics-port",
+        "0",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path / name),
+    ]
+    return subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_storage_gone_mid_checkpoint_is_waited_out_and_nothing_partial_is_listed(
+    tmp_path: Path, gcs_server: str
+) -> None:
+    from wanloom_api.trainingjob import CheckpointSpec
+    from wanloom_trainer.checkpoint.orbax_checkpoint import OrbaxCheckpointer
+
+    proxy = FlakyProxy(gcs_server, fail_every=0, mode="drop")
+    prefix = f"{uuid.uuid4().hex[:8]}/ck"
+    uri = f"gs://wanloom-test/{prefix}"
+    proxy.go_down_on(f"{prefix}/10/state/", 35.0, method="POST")  # from the first upload of checkpoint 10's arrays
+    try:
+        done = _run(tmp_path, "first", uri, 20, proxy)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert len(proxy.outages) == 1, proxy.requests[-20:]
+        log = done.stdout + done.stderr
+        assert "checkpoint for step 10 not committed, storage did not answer" in log, log[-4000:]
+        assert "storage is back" in log, log[-4000:]
+
+        os.environ.update(STORAGE_EMULATOR_HOST=proxy.address, TENSORSTORE_GCS_HTTP_URL=proxy.address)
+        steps = OrbaxCheckpointer(CheckpointSpec(uri=uri, interval=5, keep=20)).all_steps()
+        print(f"injected: storage down 35 s from {proxy.outages[0][0]!r}; committed checkpoints: {steps}")
+        # 5 before the outage, never 10 (lost), a save made again after it, and the last step.
+        assert steps[0] == 5 and 10 not in steps and steps[-1] == 20 and any(10 < s < 20 for s in steps), steps
+
+        again = _run(tmp_path, "again", uri, 22, proxy)
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert "steps 20..21" in again.stdout, again.stdout[-3000:]
+    finally:
+        proxy.close()
