@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, TypeVar
 
 T = TypeVar("T")
 GCS_SCHEME = "gs://"
-_TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
+TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}  # statuses worth retrying (checkpoint saves use it too)
 
 
 class MissingObject(FileNotFoundError):
@@ -232,7 +232,7 @@ def is_transient(exc: BaseException) -> bool:
     from google.api_core import exceptions as gexc
 
     if isinstance(exc, gexc.GoogleAPICallError):
-        return getattr(exc, "code", None) in _TRANSIENT_HTTP
+        return getattr(exc, "code", None) in TRANSIENT_HTTP
     if isinstance(exc, gexc.RetryError):  # the client's own retry ran out on a transient error
         return exc.cause is None or is_transient(exc.cause)
     import requests
@@ -242,7 +242,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (*transient, auth_exc.TransportError, ConnectionError, TimeoutError)):
         return True
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    return status in _TRANSIENT_HTTP
+    return status in TRANSIENT_HTTP
 
 
 def _gcs_client() -> Any:

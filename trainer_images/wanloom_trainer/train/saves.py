@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from wanloom_trainer.backends.interface import Backend
 from wanloom_trainer.data.outage import StorageBreaker
-from wanloom_trainer.data.storage import is_transient
+from wanloom_trainer.data.storage import TRANSIENT_HTTP, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ _NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, err
                    errno.ENETUNREACH, errno.EPIPE}  # fmt: skip
 # tensorstore and XLA put the gRPC status first in the message.
 _OUTAGE_STATUS = ("UNAVAILABLE:", "DEADLINE_EXCEEDED:")
-_TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 
 
 def is_storage_outage(exc: BaseException) -> bool:
@@ -48,7 +47,7 @@ def is_storage_outage(exc: BaseException) -> bool:
             return True
         if type(current).__module__.startswith("aiohttp"):  # gcsfs's transport: a refused or dropped connection
             return True
-        if type(current).__name__ == "HttpError" and getattr(current, "code", None) in _TRANSIENT_HTTP:
+        if type(current).__name__ == "HttpError" and getattr(current, "code", None) in TRANSIENT_HTTP:
             return True  # gcsfs.retry.HttpError: its retries ran out on a server error
         current = current.__cause__ or current.__context__
     return False
