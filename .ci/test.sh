@@ -14,7 +14,8 @@ PY=${PY:-.venv/bin/python}
 IMAGES=${IMAGES:-operator tpu}
 LOGS=build/logs
 mkdir -p "$LOGS"
-PYTEST=("$PY" -m pytest -n 2 --dist loadfile)
+# --durations: the slowest tests in every log, to see what a cold run spends its 75 minutes on.
+PYTEST=("$PY" -m pytest -n 2 --dist loadfile --durations=40)
 # shellcheck disable=SC2206 # PYTEST_ARGS is a list of words, as make passes it
 EXTRA=(${PYTEST_ARGS:-})
 
@@ -47,7 +48,7 @@ finished "control plane" "$cluster" "$LOGS/cluster-build.log" WANLOOM_REQUIRE_E2
 "${PYTEST[@]}" -m "not exhaustive and (cluster or images) and not disruptive" "${EXTRA[@]}"
 second=$?
 echo "test.sh: cluster and image tests: exit $second; $((SECONDS - started)) s so far"
-"$PY" -m pytest -p no:xdist -m "not exhaustive and disruptive" "${EXTRA[@]}"
+"$PY" -m pytest -p no:xdist --durations=10 -m "not exhaustive and disruptive" "${EXTRA[@]}"
 third=$?
 echo "test.sh: disruptive tests: exit $third; $((SECONDS - started)) s in all"
 # pytest's 5 is "nothing selected" (a PYTEST_ARGS path with no test of that kind), not a failure.
