@@ -219,7 +219,7 @@ def synth(
 ) -> None:
     """Write a synthetic latent dataset (learnable patterns, mixed shapes) in the training format."""
     from wanloom_trainer.config.variants import get_variant
-    from wanloom_trainer.data.prepare.synth import parse_mixture, write_synthetic
+    from wanloom_trainer.data.synthetic import parse_mixture, write_synthetic
 
     try:
         index = write_synthetic(

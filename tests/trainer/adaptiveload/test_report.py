@@ -33,7 +33,7 @@ def write_job(tmp_path: Path, data: Path, resources: str, extra: str = "") -> Pa
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from wanloom_trainer.data.prepare.synth import write_synthetic
+    from wanloom_trainer.data.synthetic import write_synthetic
 
     root = tmp_path_factory.mktemp("data")
     write_synthetic(str(root), TINY, 120, seed=0)

@@ -14,7 +14,7 @@ from wanloom_api.trainingjob import (
     tokens_per_sample,
 )
 from wanloom_trainer.config.variants import VARIANTS
-from wanloom_trainer.data.prepare.synth import DEFAULT_MIXTURES
+from wanloom_trainer.data.synthetic import DEFAULT_MIXTURES
 
 
 def test_every_table_covers_exactly_the_api_variants() -> None:

@@ -13,9 +13,9 @@ from wanloom_trainer.adaptiveload.plan import MicroBatch, RankPlan, StepPlan
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.prefetch import PlanPrefetcher, default_workers
-from wanloom_trainer.data.prepare.synth import write_synthetic
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.skips import TooManyBadSamples
+from wanloom_trainer.data.synthetic import write_synthetic
 from wanloom_trainer.routing import Router, TimestepSampler
 
 TINY = get_variant("tiny")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from wanloom_trainer.config.variants import get_variant
-from wanloom_trainer.data.prepare.fit import fit_latents, resample_matrix
-from wanloom_trainer.data.prepare.synth import DEFAULT_MIXTURES, PatternBank, ShapeMix, synth_sample, write_synthetic
+from wanloom_trainer.data.fit import fit_latents, resample_matrix
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.skips import TooManyBadSamples
+from wanloom_trainer.data.synthetic import DEFAULT_MIXTURES, PatternBank, ShapeMix, synth_sample, write_synthetic
 
 TINY = get_variant("tiny")
 

@@ -12,7 +12,6 @@ import pytest
 
 from wanloom_trainer.config.variants import get_variant
 from wanloom_trainer.data.outage import StorageOutage
-from wanloom_trainer.data.prepare.synth import write_synthetic
 from wanloom_trainer.data.reader import open_dataset
 from wanloom_trainer.data.shards import stream_shard
 from wanloom_trainer.data.storage import (
@@ -24,6 +23,7 @@ from wanloom_trainer.data.storage import (
     open_storage,
     split_uri,
 )
+from wanloom_trainer.data.synthetic import write_synthetic
 
 TINY = get_variant("tiny")
 FAST = RetryPolicy(attempts=4, initial_delay=0.001, max_delay=0.01)

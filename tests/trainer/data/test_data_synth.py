@@ -11,7 +11,8 @@ import yaml
 
 from wanloom_api.trainingjob import DataSpec, TrainingJob
 from wanloom_trainer.config.variants import get_variant
-from wanloom_trainer.data.prepare.synth import (
+from wanloom_trainer.data.reader import open_dataset
+from wanloom_trainer.data.synthetic import (
     DEFAULT_MIXTURES,
     ShapeMix,
     ensure_synthetic,
@@ -19,7 +20,6 @@ from wanloom_trainer.data.prepare.synth import (
     validate_mixture,
     write_synthetic,
 )
-from wanloom_trainer.data.reader import open_dataset
 
 TINY = get_variant("tiny")
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,16 +7,16 @@ access):
   ``num_samples``, ``latent_shapes`` [n, 3], ``sample_shapes()`` (the planner's input) and ``load(ids, shape)``;
 - :class:`PlanPrefetcher` loads a rank's planned micro-batches ahead of the step and checkpoints its position;
 - ``ensure_synthetic(spec.data, variant)`` generates the local run's synthetic dataset when it is missing;
-- ``prepare`` / ``write_synthetic`` build datasets (``wanloom data prepare`` / ``wanloom data synth``).
+- ``prepare`` / ``synthetic.write_synthetic`` build datasets (``wanloom data prepare`` / ``wanloom data synth``).
 
 The format is documented in docs/data-format.md.
 """
 
 from wanloom_trainer.data.index import DatasetHeader, ShapeIndex
 from wanloom_trainer.data.prefetch import LoadedMicroBatch, PlanPrefetcher, StepData
-from wanloom_trainer.data.prepare.synth import ensure_synthetic, write_synthetic
 from wanloom_trainer.data.reader import LatentBatch, LatentDataset, open_dataset, read_index
 from wanloom_trainer.data.skips import TooManyBadSamples
+from wanloom_trainer.data.synthetic import ensure_synthetic, write_synthetic
 
 __all__ = [
     "DatasetHeader",

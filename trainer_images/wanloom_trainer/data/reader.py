@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 from wanloom_trainer.data import skips
+from wanloom_trainer.data.fit import fit_latents
 from wanloom_trainer.data.format import MEMBERS, TENSOR_MEMBERS, CorruptSample, decode_tensor
 from wanloom_trainer.data.index import (
     EMPTY_PROMPT_NAME,
@@ -38,7 +39,6 @@ from wanloom_trainer.data.index import (
     ShapeIndex,
 )
 from wanloom_trainer.data.outage import OutageHook, StorageBreaker
-from wanloom_trainer.data.prepare.fit import fit_latents
 from wanloom_trainer.data.shards import payload_crc
 from wanloom_trainer.data.storage import MissingObject, RetryPolicy, Storage, open_storage, split_uri
 

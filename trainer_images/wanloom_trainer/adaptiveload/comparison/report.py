@@ -69,7 +69,7 @@ def plan_shapes(config: Any, shapes_csv: Path | None = None) -> Any:
                 "frames,height,width in pixels), set spec.data.synthetic, or prepare the data first"
             ) from None
     from wanloom_trainer.adaptiveload.sizing.tokens import latent_shapes_for_pixels
-    from wanloom_trainer.data.prepare.synth import synthetic_pixel_shapes
+    from wanloom_trainer.data.synthetic import synthetic_pixel_shapes
 
     synthetic = config.data.synthetic
     pixels = synthetic_pixel_shapes(variant, synthetic.samples, synthetic.seed)

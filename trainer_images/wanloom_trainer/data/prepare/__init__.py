@@ -1,2 +1,2 @@
-"""Building datasets: ``wanloom data prepare`` (``pipeline``: media → encoders → shards via ``writer``) and the
-synthetic datasets of local runs (``synth``)."""
+"""Building datasets: ``wanloom data prepare`` and a LatentDataset's pods (``pipeline``: media → encoders → shards
+via ``writer``). The synthetic datasets of local runs are ``data.synthetic``."""
