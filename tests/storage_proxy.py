@@ -5,12 +5,15 @@ and the real node's fault tests (bound to the host's address, where pods reach i
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+# google-cloud-storage's small uploads name the object in the body's JSON part, not in the URL.
+_MULTIPART_NAME = re.compile(rb'"name":\s*"([^"]+)"')
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "upgrade"}
 
 
@@ -31,7 +34,7 @@ class FlakyProxy:
         self.fail_every, self.mode = fail_every, mode
         self.downloads = self.injected = 0
         self.down_until = 0.0
-        self.requests: list[str] = []  # "METHOD unquoted-path" of every request, in arrival order
+        self.requests: list[str] = []  # "METHOD unquoted-path [uploaded object]" of every request, in order
         self.outages: list[tuple[str, float]] = []  # (the request that started it, monotonic start)
         self._trigger: tuple[str, str, float] | None = None
         self._lock = threading.Lock()
@@ -47,12 +50,14 @@ class FlakyProxy:
         self.down_until = time.monotonic() + seconds
 
     def go_down_on(self, match: str, seconds: float, method: str = "") -> None:
-        """An outage of ``seconds`` that starts with the first request (of ``method``, if given) whose unquoted path
-        contains ``match`` (that request already fails)."""
+        """An outage of ``seconds`` that starts with the first request (of ``method``, if given) whose unquoted path,
+        or the object a multipart upload names, contains ``match`` (that request already fails)."""
         self._trigger = (f"{method} " if method else "", match, seconds)
 
-    def should_fail(self, method: str, path: str) -> bool:
+    def should_fail(self, method: str, path: str, body: bytes = b"") -> bool:
         seen = f"{method} {urllib.parse.unquote(path)}"
+        if "uploadType=multipart" in path and (name := _MULTIPART_NAME.search(body[:4096])):
+            seen += f" [{name[1].decode(errors='replace')}]"
         with self._lock:
             self.requests.append(seen)
             if self._trigger is not None and seen.startswith(self._trigger[0]) and self._trigger[1] in seen:
@@ -81,7 +86,7 @@ class FlakyProxy:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy.should_fail(self.command, self.path):
+                if proxy.should_fail(self.command, self.path, body):
                     if proxy.mode == "drop":
                         self.connection.shutdown(socket.SHUT_RDWR)
                         self.close_connection = True

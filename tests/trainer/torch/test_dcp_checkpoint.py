@@ -3,6 +3,9 @@ commit markers, retention, RNG, and an expert that never stepped staying fresh."
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -100,3 +103,51 @@ def test_gcs_layout_retention_and_clean_staging(make_config, gcs, tmp_path) -> N
     assert not any(p.is_file() for p in staging.rglob("*"))
     with pytest.raises(ValueError, match="has no bucket"):
         GcsLocation.parse("gs:///x")
+
+
+def _save_with_rank1_upload_failing(rank: int, init: str, uri: str, staging: str, out: str) -> None:
+    """One rank of a two-rank gloo group saving a gs:// checkpoint whose upload fails on rank 1 alone."""
+    import torch.distributed as dist
+
+    from wanloom_trainer.checkpoint import dcp_checkpoint
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:
+
+        def refused(*_args: object, **_kwargs: object) -> None:
+            raise ConnectionError("storage refused the upload")
+
+        dcp_checkpoint.upload_dir = refused
+    store = CheckpointStore(uri, keep=2, staging_dir=staging)
+    try:
+        store.save({"w": torch.full((4,), float(rank))}, 10, {})
+        outcome = "saved"
+    except ConnectionError as exc:
+        outcome = f"ConnectionError: {exc}"
+    Path(f"{out}.{rank}").write_text(outcome)
+    dist.barrier()  # both ranks reach the same next collective: nobody was left inside the save
+    dist.destroy_process_group()
+
+
+def test_an_upload_failing_on_one_rank_fails_the_save_on_every_rank_without_a_hang(gcs, tmp_path) -> None:
+    """Rank 1's upload fails, rank 0's succeeds: rank 0 used to wait for rank 1 in the save's barrier while rank 1
+    left the save. Both now raise (the trainer drops the save and makes it again) and nothing is committed."""
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "outcome")
+    context = mp.start_processes(
+        _save_with_rank1_upload_failing, args=(init, gcs, str(tmp_path / "staging"), out), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=5):
+            assert time.monotonic() < deadline, "a rank is still inside the save after 120 s"
+    finally:
+        for process in context.processes:
+            process.kill()
+    outcomes = [Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
+    assert outcomes == ["ConnectionError: rank 1 could not write " + gcs + "/step_00000010",
+                        "ConnectionError: storage refused the upload"], outcomes  # fmt: skip
+    assert CheckpointStore(gcs, keep=2, staging_dir=tmp_path / "check").committed_steps() == []

@@ -2,9 +2,10 @@
 lost is never listed, the next step saves again once storage answers, and a resumed run starts from the last
 complete checkpoint. Past spec.data.storageOutageSeconds the run fails naming storage and that field.
 
-The end-to-end case is real: `wanloom run` with orbax writing gs:// through gcsfs and tensorstore to the GCS
-emulator, behind a proxy that drops every request for 45 s (longer than gcsfs's own retries, ~31-38 s) from the
-first upload of a chosen checkpoint."""
+The end-to-end cases are real: `wanloom run` with orbax writing gs:// through gcsfs and tensorstore (JAX), or DCP
+through google-cloud-storage from two processes (PyTorch), to the GCS emulator, behind a proxy that drops every
+request for 45 s (longer than the clients' own retries, ~31-38 s and 30 s) from the first upload of a chosen
+checkpoint."""
 
 from __future__ import annotations
 
@@ -77,10 +78,12 @@ def test_what_counts_as_an_outage() -> None:
     assert not any(is_storage_outage(e) for e in others)
 
 
-def _run(tmp_path: Path, name: str, uri: str, steps: int, proxy: FlakyProxy) -> subprocess.CompletedProcess[str]:
-    text = (ROOT / "jobs" / "tiny-local.yaml").read_text()
-    text = text.replace("uri: runs/tiny-local/data", f"uri: {tmp_path / 'data'}")
-    text = text.replace("uri: runs/tiny-local/checkpoints", f"uri: {uri}")
+def _run(
+    tmp_path: Path, name: str, uri: str, steps: int, proxy: FlakyProxy, job: str = "tiny-local", processes: int = 1
+) -> subprocess.CompletedProcess[str]:
+    text = (ROOT / "jobs" / f"{job}.yaml").read_text()
+    text = text.replace(f"uri: runs/{job}/data", f"uri: {tmp_path / 'data'}")
+    text = text.replace(f"uri: runs/{job}/checkpoints", f"uri: {uri}")
     text = text.replace("interval: 50", "interval: 5").replace("keep: 2", "keep: 20")
     (tmp_path / name).mkdir()
     job = tmp_path / name / "job.yaml"
@@ -97,6 +100,8 @@ def _run(tmp_path: Path, name: str, uri: str, steps: int, proxy: FlakyProxy) -> 
         "--no-progress",
         "--run-dir",
         str(tmp_path / name),
+        "--processes",
+        str(processes),
     ]
     return subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True, env=env, timeout=600)
 
@@ -130,5 +135,34 @@ def test_storage_gone_mid_checkpoint_is_waited_out_and_nothing_partial_is_listed
         again = _run(tmp_path, "again", uri, 22, proxy)
         assert again.returncode == 0, again.stderr[-4000:]
         assert "steps 20..21" in again.stdout, again.stdout[-3000:]
+    finally:
+        proxy.close()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_storage_gone_mid_upload_of_a_two_process_torch_checkpoint_fails_the_save_on_both_ranks(
+    tmp_path: Path, gcs_server: str
+) -> None:
+    """The PyTorch path, two processes: DCP on gs://, every rank uploads its own files, then rank 0 writes
+    meta.json. Storage drops every request for 45 s from the first upload of checkpoint 10 (past each upload's own
+    30 s of retries): both ranks drop the save together (tests/trainer/torch/test_dcp_checkpoint.py has the case
+    where one rank's upload fails alone), the run goes on, and the state is saved again once storage answers."""
+    from wanloom_trainer.checkpoint.dcp_checkpoint import CheckpointStore
+
+    proxy = FlakyProxy(gcs_server, fail_every=0, mode="drop")
+    prefix = f"{uuid.uuid4().hex[:8]}/ck"
+    uri = f"gs://wanloom-test/{prefix}"
+    proxy.go_down_on(f"{prefix}/step_00000010/", 45.0, method="POST")
+    try:
+        done = _run(tmp_path, "torch", uri, 20, proxy, job="tiny-local-torch", processes=2)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert len(proxy.outages) == 1, proxy.requests[-20:]
+        log = done.stdout + done.stderr
+        assert "checkpoint for step 10 not committed, storage did not answer" in log, log[-4000:]
+        os.environ["STORAGE_EMULATOR_HOST"] = proxy.address
+        steps = CheckpointStore(uri, keep=20, staging_dir=tmp_path / "staging").committed_steps()
+        print(f"injected: storage down 45 s from {proxy.outages[0][0]!r}; committed checkpoints: {steps}")
+        assert steps[0] == 5 and 10 not in steps and steps[-1] == 20 and any(10 < s < 20 for s in steps), steps
     finally:
         proxy.close()

@@ -9,8 +9,14 @@ Layout under the checkpoint root (``spec.training.checkpoint.uri``)::
 
 Atomicity: on a path, ranks write into ``.step_<n>.tmp`` which rank 0 renames once ``meta.json`` is in it; on
 ``gs://`` (no rename), each rank writes into its own local staging folder, uploads what it wrote, and rank 0
-uploads ``meta.json`` after a barrier. A checkpoint without ``meta.json`` is ignored by ``latest_step`` and
-overwritten by the next save. Restoring from ``gs://`` downloads the checkpoint into each rank's staging folder.
+uploads ``meta.json`` once every rank's upload succeeded. A checkpoint without ``meta.json`` is ignored by
+``latest_step`` and overwritten by the next save. Restoring from ``gs://`` downloads the checkpoint into each rank's
+staging folder.
+
+Storage outages: an upload that storage does not accept within ``UPLOAD_RETRY_S`` fails the save on every rank
+together (ranks tell each other where a barrier stood), so none is left waiting in a collective the failed rank
+never reaches; the trainer then drops the save and makes it again (``train.saves``). Pruning old checkpoints is
+best effort: a failure is logged and the next save prunes again.
 
 Optimizer states are created eagerly by ``backends.torch.step.make_adamw``: DCP's ``get_optimizer_state_dict`` would
 otherwise step an empty optimizer to create its state.
@@ -19,6 +25,7 @@ otherwise step an empty optimizer to create its state.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Mapping
@@ -40,6 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
 from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of, download_prefix, upload_dir
 
 META_FILE = "meta.json"
+# How long one file's upload retries before the save fails (google-cloud-storage's default is 120 s): about what
+# gcsfs allows orbax's writes, so both backends hand a longer outage to the trainer's own retry (train.saves).
+UPLOAD_RETRY_S = 30.0
+log = logging.getLogger(__name__)
 _TRAINED = StateDictOptions(ignore_frozen_params=True)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -134,23 +145,37 @@ class CheckpointStore:
         local.mkdir(parents=True)
         # Each rank writes into its own folder (nodes need not share a disk) and uploads exactly what it wrote.
         dcp.save(state, storage_writer=dcp.FileSystemWriter(local))
-        upload_dir(local, self.gcs, name)
+        error = None
+        try:
+            upload_dir(local, self.gcs, name, retry_s=UPLOAD_RETRY_S)
+        except Exception as exc:  # decided below, with the other ranks
+            error = exc
         shutil.rmtree(local, ignore_errors=True)
-        _barrier()
+        _all_ranks_succeeded(error, f"{self.uri}/{name}")
         if _rank() == 0:
-            bucket_of(self.gcs).blob(self.gcs.key(name, META_FILE)).upload_from_string(record)
+            from google.cloud.storage.retry import DEFAULT_RETRY
+
+            try:
+                blob = bucket_of(self.gcs).blob(self.gcs.key(name, META_FILE))
+                blob.upload_from_string(record, retry=DEFAULT_RETRY.with_timeout(UPLOAD_RETRY_S))
+            except Exception as exc:
+                error = exc
+        _all_ranks_succeeded(error, f"{self.uri}/{name}/{META_FILE}")
 
     def _prune(self) -> None:
         if _rank() != 0:
             return
-        for step in self.committed_steps()[: -self.keep]:
-            if self.gcs is not None:
-                bucket = bucket_of(self.gcs)
-                prefix = self.gcs.key(step_dir_name(step)) + "/"
-                for blob in list(bucket.client.list_blobs(self.gcs.bucket, prefix=prefix)):
-                    blob.delete()
-            else:
-                shutil.rmtree(self.root / step_dir_name(step))
+        try:
+            for step in self.committed_steps()[: -self.keep]:
+                if self.gcs is not None:
+                    bucket = bucket_of(self.gcs)
+                    prefix = self.gcs.key(step_dir_name(step)) + "/"
+                    for blob in list(bucket.client.list_blobs(self.gcs.bucket, prefix=prefix)):
+                        blob.delete()
+                else:
+                    shutil.rmtree(self.root / step_dir_name(step))
+        except Exception as exc:  # the checkpoint is committed; an old one left over is pruned by the next save
+            log.warning("could not prune old checkpoints in %s (the next save tries again): %s", self.uri, exc)
 
     # -- restoring ----------------------------------------------------------------------------------------------
     def load(self, state: dict[str, Any], step: int) -> dict[str, Any]:
@@ -173,6 +198,20 @@ class CheckpointStore:
         if self.gcs is not None:
             shutil.rmtree(folder, ignore_errors=True)
         return record
+
+
+def _all_ranks_succeeded(error: BaseException | None, what: str) -> None:
+    """A barrier that also says whether every rank's part of writing ``what`` succeeded; if one failed, every rank
+    raises: the failed one its own error, the others a ``ConnectionError`` naming that rank (the trainer counts
+    either as storage lost, ``train.saves``)."""
+    failed = [error is not None]
+    if dist.is_initialized():
+        failed = [False] * dist.get_world_size()
+        dist.all_gather_object(failed, error is not None)
+    if error is not None:
+        raise error
+    if any(failed):
+        raise ConnectionError(f"rank {failed.index(True)} could not write {what}")
 
 
 def _rng_key() -> str:

@@ -38,11 +38,17 @@ def bucket_of(location: GcsLocation) -> Any:
     return storage.Client().bucket(location.bucket)
 
 
-def upload_dir(local: Path, location: GcsLocation, *parts: str) -> None:
-    """Upload every file under ``local`` to ``gs://bucket/prefix/<parts>/<relative path>``."""
+def upload_dir(local: Path, location: GcsLocation, *parts: str, retry_s: float | None = None) -> None:
+    """Upload every file under ``local`` to ``gs://bucket/prefix/<parts>/<relative path>``; each file's upload is
+    retried for ``retry_s`` seconds (None: the client's default, 120 s)."""
     bucket = bucket_of(location)
+    kwargs = {}
+    if retry_s is not None:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        kwargs["retry"] = DEFAULT_RETRY.with_timeout(retry_s)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        bucket.blob(location.key(*parts, path.relative_to(local).as_posix())).upload_from_filename(str(path))
+        bucket.blob(location.key(*parts, path.relative_to(local).as_posix())).upload_from_filename(str(path), **kwargs)
 
 
 def download_prefix(location: GcsLocation, local: Path, *parts: str) -> int:
