@@ -15,7 +15,7 @@ IMAGES=${IMAGES:-operator tpu}
 LOGS=build/logs
 mkdir -p "$LOGS"
 # --durations: the slowest tests in every log, to see what a cold run spends its 75 minutes on.
-PYTEST=("$PY" -m pytest -n 2 --dist loadfile --durations=40)
+PYTEST=("$PY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=40)
 # shellcheck disable=SC2206 # PYTEST_ARGS is a list of words, as make passes it
 EXTRA=(${PYTEST_ARGS:-})
 

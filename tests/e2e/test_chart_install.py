@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from e2e_wait import wait_for
 
@@ -126,6 +127,7 @@ def _job(name: str, **spec: Any) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.slow
 def test_operator_runs_on_the_charts_rbac_and_uses_every_verb_it_is_granted(
     cluster: Any, chart_release: dict[str, Any], crd: Any, tmp_path: Path
 ) -> None:

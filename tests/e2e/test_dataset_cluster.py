@@ -96,6 +96,7 @@ def _jobs(k8s: Any, namespace: str, dataset: str) -> dict[str, Any]:
     return {j.metadata.name: j for j in items.items}
 
 
+@pytest.mark.slow
 def test_a_trainingjob_waits_for_its_dataset_which_plans_encodes_and_finalizes(
     k8s: Any, namespace: str, operator: Any
 ) -> None:
@@ -172,6 +173,7 @@ def test_a_failed_dataset_fails_the_trainingjobs_waiting_for_it(k8s: Any, namesp
     assert _condition(job, "DataReady")["reason"] == "DatasetFailed" and "exit code 3" in job["message"], job
 
 
+@pytest.mark.slow
 def test_an_operator_killed_while_a_dataset_encodes_finishes_it_without_duplicate_jobs(
     k8s: Any, namespace: str, operator: Operator
 ) -> None:
@@ -201,6 +203,7 @@ def test_an_operator_killed_while_a_dataset_encodes_finishes_it_without_duplicat
     assert (ready["shardsDone"], ready["samplesEncoded"]) == (3, 6), ready
 
 
+@pytest.mark.slow
 def test_a_queued_dataset_is_admitted_by_kueue_and_suspends_through_its_workload(
     k8s: Any, cluster: Any, namespace: str, operator: Operator
 ) -> None:

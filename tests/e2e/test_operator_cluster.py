@@ -168,6 +168,7 @@ def _pods(k8s: Any, namespace: str, jobset: str) -> list[Any]:
     )
 
 
+@pytest.mark.slow
 def test_every_shipped_job_lands_on_its_node_pools(k8s: Any, namespace: str, operator: Any, fake_nodes: bool) -> None:
     """jobs/*.yaml as shipped: TPU slices each fill one tpu7x node pool of their topology (JobSet's exclusive
     placement), GPU pods land on nodes of their accelerator, CPU pods anywhere; every job then succeeds."""
@@ -296,6 +297,7 @@ def _own_operator(
         core.delete_namespace(namespace)
 
 
+@pytest.mark.slow
 def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: Any, cluster: Any) -> None:
     """The operator is SIGKILLed once the JobSet exists; the JobSet finishes and its TTL deletes it; the operator,
     back, must end the TrainingJob rather than create the JobSet again."""
@@ -322,6 +324,7 @@ def test_a_job_that_finished_while_the_operator_was_down_is_not_run_again(k8s: A
 JOBS_UNDER_FAULTS, OPERATOR_KILLS, CONVERGE_S = 30, 5, 240
 
 
+@pytest.mark.slow
 def test_operator_killed_while_jobs_reconcile_converges_with_one_jobset_each(k8s: Any, cluster: Any) -> None:
     """30 TrainingJobs while the operator is SIGKILLed at random points and restarted 5 times: every job ends
     Succeeded with exactly one JobSet, owned by it, and nothing orphaned."""
@@ -450,6 +453,7 @@ def test_active_deadline_bounds_the_whole_run_across_restarts(k8s: Any, cluster:
               "no pod left running")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_kueue_admits_one_slice_at_a_time(k8s: Any, cluster: Any) -> None:
     """A ClusterQueue with quota for one tpu7x 2x2x1 slice and two jobs in its LocalQueue: the first is admitted
     (Kueue unsuspends its JobSet), the second waits (Pending, saying it is queued, its JobSet still suspended) and
@@ -535,6 +539,7 @@ def test_kueue_admits_one_slice_at_a_time(k8s: Any, cluster: Any) -> None:
         api.delete_cluster_custom_object(*kueue, "resourceflavors", flavor)
 
 
+@pytest.mark.slow
 def test_rank_0_is_looked_up_once_per_attempt_not_once_per_pass(k8s: Any, cluster: Any) -> None:
     """The tracker reads rank 0's metrics every interval; it lists pods to find rank 0 only when the JobSet starts
     an attempt (the pods, and so the IP, change only then). At 500 jobs and a 30 s interval a list per pass would
@@ -614,6 +619,7 @@ def _deadline_seen_first_by_a_jobset_event(k8s: Any, api: Any, namespace: str) -
 LOAD_JOBS = 200
 
 
+@pytest.mark.slow
 def test_two_hundred_trainingjobs_at_once_get_one_jobset_each_and_are_collected(
     k8s: Any, cluster: Any, tmp_path: Path
 ) -> None:

@@ -29,6 +29,7 @@ def _pins() -> dict[str, str]:
     return {name.lower(): version for name, version in (line.split("==") for line in lines if line)}
 
 
+@pytest.mark.slow
 def test_the_gpu_images_dependencies_resolve_with_cuda_wheels(tmp_path: Path) -> None:
     # The Dockerfile's own install line and constraints, so this checks what it builds.
     dockerfile = DOCKERFILE.read_text()

@@ -72,6 +72,7 @@ def test_trainer_image_refuses_a_missing_config_without_a_traceback() -> None:
     assert "No such file" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_trainer_image_trains_the_tiny_model(tmp_path: Path) -> None:
     """The pod's command and start-up contract in the JAX image: a few steps of the tiny job on CPU, checkpointed."""
     require(TRAINER_TPU)

@@ -166,6 +166,7 @@ def test_bad_shapes_csv_names_the_line(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.slow
 def test_the_shape_benchmark_times_the_jobs_own_step(tmp_path, backend):
     """The benchmark step is the job's backend step: it trains (parameters move), and it is timed per grid point."""
     import importlib.util

@@ -30,8 +30,8 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _case_param(case: tuple) -> object:
-    exhaustive = case[1] == 4096 and case not in DEFAULT_4096
-    return pytest.param(*case, id="-".join(map(str, case)), marks=[pytest.mark.exhaustive] if exhaustive else [])
+    big = [pytest.mark.slow] if case in DEFAULT_4096 else [pytest.mark.exhaustive]  # a minute each, interpreted
+    return pytest.param(*case, id="-".join(map(str, case)), marks=big if case[1] == 4096 else [])
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, x_dtype: torch.dtype) -> float:

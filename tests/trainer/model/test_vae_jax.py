@@ -49,6 +49,7 @@ def _rel(got: Any, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.slow
 def test_latents_and_reconstructions_match_diffusers(case: str, tmp_path: Path) -> None:
     kw, (b, f, h, w) = CASES[case]
     vae = _vae(kw, tmp_path / "vae")

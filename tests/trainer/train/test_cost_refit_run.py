@@ -61,6 +61,7 @@ def test_an_adopted_refit_plans_the_later_steps_and_survives_a_resume(
     assert [r.loss for r in second.records] == [r.loss for r in first.records[20:]]
 
 
+@pytest.mark.slow
 def test_two_processes_adopt_process_0s_refit_together(tmp_path: Path) -> None:
     """`wanloom run --processes 2` (torch, FSDP2 over gloo): process 0 refits and broadcasts; both processes plan
     the later steps with its model. Had they planned differently, their FSDP collectives would not pair up."""

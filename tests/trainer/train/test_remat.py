@@ -40,6 +40,7 @@ def _loss_and_residuals(remat: str) -> tuple[object, object, str]:
     return params, jax.jit(jax.value_and_grad(loss))(params, _batch()), out.getvalue()
 
 
+@pytest.mark.slow
 def test_remat_policies_agree_and_save_what_they_name() -> None:
     results = {name: _loss_and_residuals(name) for name in ("none", "full", "save-matmuls", "save-attention")}
     (ref_loss, ref_grads), saved = results["none"][1], {k: len(v[2].splitlines()) for k, v in results.items()}

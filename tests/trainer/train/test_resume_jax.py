@@ -16,6 +16,7 @@ import pytest
 from wanloom_trainer.train.loss_log import RunEvent, read_events, read_log
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_reproduces_the_losses_exactly(run_script: Callable[..., dict[str, Any]]) -> None:
     r = run_script("resume")
     assert len(r["a"]) == 8

@@ -65,6 +65,7 @@ def test_a_longer_run_continues_its_learning_rate_and_shows_its_checkpoint(
     assert [r.learning_rate[1] for r in again.records] == pytest.approx([rates[s] for s in range(30, 40)])
 
 
+@pytest.mark.slow
 def test_compiling_steps_are_reported_apart_from_the_steady_state(tiny: Any, tmp_path: Path) -> None:
     config = tiny.tiny_config(tmp_path, training={"steps": 12, "checkpoint": {"uri": None}})
     records = run(config, progress=False).records

@@ -56,6 +56,7 @@ def test_image_to_video_job_trains_from_the_cli(name: str, backend: str, tmp_pat
     assert STEPS in saved, saved  # the backends name their checkpoint folders differently
 
 
+@pytest.mark.slow
 def test_image_to_video_fraction_reaches_the_step(tmp_path: Path) -> None:
     """Same job, seed and data: all clips image-to-video vs none gives a different step-0 loss (the clean first
     frame and its t = 0 tokens change what the model sees and what the loss counts); images alone would not."""

@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from wanloom_trainer.train.launch import free_port
 from wanloom_trainer.train.loss_log import read_log
 
@@ -31,6 +33,7 @@ def wanloom(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_tiny_local_run_trains_checkpoints_plots_and_serves_metrics(tmp_path: Path, script_environ) -> None:
     port = free_port()
     env = script_environ()

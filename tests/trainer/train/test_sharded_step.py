@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 
+@pytest.mark.slow
 def test_sharded_steps_equal_the_single_device_step(run_script: Callable[..., dict[str, Any]]) -> None:
     report = run_script("sharded_step", devices=8)
     assert report["reference_loss"][0] > 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from wanloom_cli import app
@@ -94,6 +95,7 @@ def test_run_without_gcs_credentials_says_how_to_provide_them(tmp_path: Path) ->
     _one_line_error(run, "no Google Cloud credentials", "GOOGLE_APPLICATION_CREDENTIALS", "missing-key.json")
 
 
+@pytest.mark.slow
 def test_run_with_too_many_bad_samples_says_which_and_what_to_do(tmp_path: Path) -> None:
     data = tmp_path / "data"
     first = _run(_job(tmp_path, str(data), synthetic=True), tmp_path)  # writes the synthetic dataset, trains
@@ -109,6 +111,7 @@ def test_run_with_too_many_bad_samples_says_which_and_what_to_do(tmp_path: Path)
     _one_line_error(_run(_job(again, str(data), max_bad=0), again), "spec.data.maxBadSamples")
 
 
+@pytest.mark.slow
 def test_steps_whose_samples_were_all_skipped_do_not_train_or_log(tmp_path: Path) -> None:
     """Every shard broken and a generous budget: no step may update the experts or report a loss (the old loop
     logged loss 0.0 and planned tokens for such steps and still ran AdamW)."""
