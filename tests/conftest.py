@@ -55,11 +55,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Files in decreasing expected time, tests in their own order within a file: `.ci/test.sh` deals whole files
     to two workers in this order (`--dist loadfile --no-loadscope-reorder`), so the long files start first and the
     short ones fill in at the end (the longest-first rule), instead of one worker running a long file alone."""
-    expected: dict[str, int] = {}
+    expected: dict[Path, int] = {}
     for item in items:
-        seconds = _SLOW_S if item.get_closest_marker("slow") else _OTHER_S
-        expected[item.nodeid.split("::")[0]] = expected.get(item.nodeid.split("::")[0], 0) + seconds
-    items.sort(key=lambda item: -expected[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
+        expected[item.path] = expected.get(item.path, 0) + (_SLOW_S if item.get_closest_marker("slow") else _OTHER_S)
+    items.sort(key=lambda item: -expected[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of, download_prefix, upload_dir
+from wanloom_trainer.checkpoint.gcs import GcsLocation, bucket_of, download_prefix, upload_dir, upload_retry
 
 META_FILE = "meta.json"
 # How long one file's upload retries before the save fails (google-cloud-storage's default is 120 s): about what
@@ -153,11 +153,9 @@ class CheckpointStore:
         shutil.rmtree(local, ignore_errors=True)
         _all_ranks_succeeded(error, f"{self.uri}/{name}")
         if _rank() == 0:
-            from google.cloud.storage.retry import DEFAULT_RETRY
-
             try:
                 blob = bucket_of(self.gcs).blob(self.gcs.key(name, META_FILE))
-                blob.upload_from_string(record, retry=DEFAULT_RETRY.with_timeout(UPLOAD_RETRY_S))
+                blob.upload_from_string(record, retry=upload_retry(UPLOAD_RETRY_S))
             except Exception as exc:
                 error = exc
         _all_ranks_succeeded(error, f"{self.uri}/{name}/{META_FILE}")

@@ -38,15 +38,18 @@ def bucket_of(location: GcsLocation) -> Any:
     return storage.Client().bucket(location.bucket)
 
 
+def upload_retry(seconds: float) -> Any:
+    """google-cloud-storage's own retry policy for an upload (transient errors, backoff), ended after ``seconds``."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY.with_timeout(seconds)
+
+
 def upload_dir(local: Path, location: GcsLocation, *parts: str, retry_s: float | None = None) -> None:
     """Upload every file under ``local`` to ``gs://bucket/prefix/<parts>/<relative path>``; each file's upload is
     retried for ``retry_s`` seconds (None: the client's default, 120 s)."""
     bucket = bucket_of(location)
-    kwargs = {}
-    if retry_s is not None:
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
-        kwargs["retry"] = DEFAULT_RETRY.with_timeout(retry_s)
+    kwargs = {} if retry_s is None else {"retry": upload_retry(retry_s)}
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         bucket.blob(location.key(*parts, path.relative_to(local).as_posix())).upload_from_filename(str(path), **kwargs)
 
