@@ -19,7 +19,10 @@ PYTEST=("$PY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=
 # shellcheck disable=SC2206 # PYTEST_ARGS is a list of words, as make passes it
 EXTRA=(${PYTEST_ARGS:-})
 
+# Free disk in every log: a full disk fails tests far from its cause (the images, containerd's store, /tmp).
+disk() { echo "test.sh: $1: $(df -h --output=avail / | tail -n 1 | tr -d ' ') free on /"; }
 started=$SECONDS
+disk "start"
 # shellcheck disable=SC2086 # IMAGES is a list of names
 nice -n 10 .ci/images/build.sh $IMAGES > "$LOGS/images.log" 2>&1 &
 images=$!
@@ -29,6 +32,7 @@ cluster=$!
 "${PYTEST[@]}" -m "not exhaustive and not cluster and not images" "${EXTRA[@]}"
 first=$?
 echo "test.sh: tests without the cluster or images: exit $first after $((SECONDS - started)) s; waiting for the builds"
+disk "after the first phase"
 
 # finished NAME PID LOG REQUIRE_VAR: waits for a build; fails the run where its tests are required.
 finished() {
@@ -48,6 +52,7 @@ finished "control plane" "$cluster" "$LOGS/cluster-build.log" WANLOOM_REQUIRE_E2
 "${PYTEST[@]}" -m "not exhaustive and (cluster or images) and not disruptive" "${EXTRA[@]}"
 second=$?
 echo "test.sh: cluster and image tests: exit $second; $((SECONDS - started)) s so far"
+disk "after the second phase"
 "$PY" -m pytest -p no:xdist --durations=10 -m "not exhaustive and disruptive" "${EXTRA[@]}"
 third=$?
 echo "test.sh: disruptive tests: exit $third; $((SECONDS - started)) s in all"

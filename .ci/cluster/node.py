@@ -129,13 +129,16 @@ def _pause_image(bins: dict[str, Path], state: Path) -> str:
     return tag
 
 
-def _import(bins: dict[str, Path], image: str) -> None:
-    """Copy ``image`` from the containers storage into containerd, unless this build of it is already there."""
+def _import(bins: dict[str, Path], image: str) -> str:
+    """Copy ``image`` from the containers storage into containerd, unless this build of it is already there.
+
+    Returns the image's ID (its config digest, as podman and containerd's CRI both name it).
+    """
     image_id = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", image], env=PODMAN_ENV,
                               check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
     stamp = ROOT_DIR / "imported" / image.replace("/", "_").replace(":", "_")
     if stamp.exists() and stamp.read_text() == image_id:
-        return
+        return image_id
     archive = ROOT_DIR / "import.tar"
     subprocess.run(["podman", "save", "--format", "oci-archive", "-o", str(archive), image],
                    env=PODMAN_ENV, check=True, capture_output=True)  # fmt: skip
@@ -143,6 +146,20 @@ def _import(bins: dict[str, Path], image: str) -> None:
     archive.unlink()
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(image_id)
+    return image_id
+
+
+def _drop_other_images(bins: dict[str, Path], ids: dict[str, str]) -> None:
+    """Remove every image but ``ids`` (name -> ID) from containerd, and with them their layers and snapshots.
+
+    Each build's import leaves the previous one behind under its ID (the CRI names images ``sha256:<id>`` too), so
+    without this the store grew by the 2 GB trainer image per `make images` until CI's disk was full.
+    """
+    keep = {*ids, *(f"sha256:{image_id}" for image_id in ids.values())}
+    names = ctr(bins, "images", "ls", "-q", text=True).stdout.split()
+    stale = [name for name in names if name not in keep]
+    if stale:
+        ctr(bins, "images", "rm", "--sync", *stale)
 
 
 def _kubelet_config(state: Path, ip: str, port: int, healthz: int) -> Path:
@@ -207,8 +224,7 @@ def up(
     while not SOCKET.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     images = [*IMAGES, *(i for i in OPTIONAL_IMAGES if _built(i))]
-    for image in (pause, *images):
-        _import(bins, image)
+    _drop_other_images(bins, {image: _import(bins, image) for image in (pause, *images)})
     deadline = time.monotonic() + READY_TIMEOUT_S  # a first import takes minutes (the GPU image's 6 GB)
     start("coredns", [bins["COREDNS_BIN"] / "coredns", "-conf", _corefile(node_state, ip, kubeconfigs["coredns"])])
     port = free_port()

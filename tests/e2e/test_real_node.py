@@ -250,6 +250,20 @@ def _logs(k8s: Any, namespace: str, pods: list[Any]) -> str:
     )
 
 
+def test_the_node_keeps_only_the_images_of_this_build(node: dict[str, Any]) -> None:
+    # Each `make images` re-imports the trainer image; the builds before it must leave containerd's store, or it
+    # grows by gigabytes a build until the disk is full (it did: CI failed with ENOSPC).
+    ctr = [node["ctr"], "--address", node["socket"], "-n", "k8s.io"]
+    names = subprocess.run([*ctr, "images", "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    tags = [n for n in names if not n.startswith("sha256:")]
+    assert set(node["images"]) <= set(tags)
+    assert [t for t in tags if t not in node["images"]] == [
+        next(t for t in tags if t.startswith("registry.k8s.io/pause:"))
+    ]
+    # One ID per tag (the CRI names each image by its ID too); a stale build would add one.
+    assert len([n for n in names if n.startswith("sha256:")]) == len(tags), names
+
+
 def test_two_jax_pods_train_on_gcs_and_resume_after_a_pod_is_killed(
     k8s: Any, namespace: str, node: dict[str, Any], storage: str, prometheus: tuple[str, Path], operator: str
 ) -> None:
