@@ -148,3 +148,37 @@ def test_tensorboard_goes_beside_a_gcs_checkpoint_root(tmp_path: Path) -> None:
     assert tensorboard_dir(config("/data/ckpt")) == "/runs/job/tensorboard"
     assert tensorboard_dir(config(None)) == "/runs/job/tensorboard"
     assert tensorboard_dir(config("gs://bucket/ckpt", "gs://other/tb")) == "gs://other/tb"
+
+
+def test_tensorboard_on_a_bucket_that_stops_answering_never_holds_up_the_run(
+    gcs: str, gcs_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event file's flush to gs:// stalls in the client's retries while the bucket is away; the run's calls
+    return at once (records past the queue are dropped and counted) and closing gives up after its timeout.
+    Before: tensorboardX's own queue (10 events) filled and the training loop blocked in add_scalar."""
+    import threading
+    import time
+
+    from storage_proxy import FlakyProxy
+
+    from wanloom_trainer.tracking import tensorboard
+
+    proxy = FlakyProxy(gcs_server, fail_every=0, mode="drop")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.address)
+    monkeypatch.setattr(tensorboard, "FLUSH_SECONDS", 0.2)  # the writer flushes (and stalls) at once
+    proxy.go_down(600)
+    try:
+        tracker = tensorboard.TensorBoardTracker(f"{gcs}/tensorboard", 0, queue_calls=4)
+        steps = threading.Thread(target=lambda: [tracker.scalars(s, {"train/loss": 1.0}) for s in range(300)])
+        steps.start()
+        time.sleep(1.0)  # the first flush is under way
+        steps.join(30)
+        print(f"injected: bucket away; found: 300 steps' scalars returned, {tracker.dropped} dropped")
+        assert not steps.is_alive(), "the run's thread is blocked in the tracker"
+        assert tracker.dropped > 0
+        closed = threading.Thread(target=tracker.close, kwargs={"timeout_s": 1.0})
+        closed.start()
+        closed.join(30)
+        assert not closed.is_alive(), "closing waits for the bucket"
+    finally:
+        proxy.close()
