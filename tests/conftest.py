@@ -7,8 +7,11 @@ in the conftest pytest loads first, unless a GPU is present (then the Triton tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
 
 if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -17,7 +20,7 @@ import importlib.util
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +62,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         expected[item.path] = expected.get(item.path, 0) + (_SLOW_S if item.get_closest_marker("slow") else _OTHER_S)
     items.sort(key=lambda item: -expected[item.path])  # stable: a file's tests keep their order
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """``subprocess.Popen`` in a session of its own; whatever is left of each session when the test ends (a
+    trainer, its data process, a spawned child) is killed, so a test that fails or times out leaves nothing
+    running behind it."""
+    started: list[subprocess.Popen] = []
+
+    def popen(args: list[str], **kwargs: object) -> subprocess.Popen:
+        started.append(subprocess.Popen(args, start_new_session=True, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    yield popen
+    for process in started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +34,21 @@ def _job(tiny: Any, workdir: Path, **spec: Any) -> Any:
     return with_overrides(tiny.tiny_job(workdir, **spec), processes=2)
 
 
-def _wanloom_run(job_file: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+def _wanloom_run(spawn: Callable[..., subprocess.Popen], job_file: Path, cwd: Path, env: dict[str, str]) -> Any:
     args = ["run", str(job_file), "--processes", "2", "--metrics-port", "0", "--run-dir", str(cwd / "run")]
-    return subprocess.Popen(
-        [sys.executable, "-c", WANLOOM, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+    return spawn([sys.executable, "-c", WANLOOM, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
 def test_a_bad_input_on_one_process_fails_the_run_at_once_with_the_configuration_error(
-    tiny: Any, tmp_path: Path, script_environ
+    tiny: Any, tmp_path: Path, script_environ, spawn
 ) -> None:
     job = _job(tiny, tmp_path, data={"maxBadSamples": 0}, training={"steps": 40})
     sample = tiny.corrupt_sample_of_rank(job, tmp_path / "data", 1, tmp_path / "run")
     env = script_environ()
     env.pop("XLA_FLAGS")
     started = time.monotonic()
-    proc = _wanloom_run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
+    proc = _wanloom_run(spawn, tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
     out, _ = proc.communicate(timeout=240)
     took = time.monotonic() - started
     worker = (tmp_path / "run" / "logs" / "process-1.log").read_text()
@@ -60,11 +59,11 @@ def test_a_bad_input_on_one_process_fails_the_run_at_once_with_the_configuration
     assert took < 90, f"the run took {took:.0f} s to end"  # start-up and compiling included; it hung 5.5 min
 
 
-def test_a_killed_process_stops_its_peer_within_seconds(tiny: Any, tmp_path: Path, script_environ) -> None:
+def test_a_killed_process_stops_its_peer_within_seconds(tiny: Any, tmp_path: Path, script_environ, spawn) -> None:
     job = _job(tiny, tmp_path, training={"steps": 400})
     env = script_environ()
     env.pop("XLA_FLAGS")
-    proc = _wanloom_run(tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
+    proc = _wanloom_run(spawn, tiny.write_job(tmp_path / "job.yaml", job), tmp_path, env)
     log = tmp_path / "run" / "steps.jsonl"
     deadline = time.monotonic() + 180
     while not (log.exists() and log.read_text().count("\n") >= 3):
@@ -80,7 +79,9 @@ def test_a_killed_process_stops_its_peer_within_seconds(tiny: Any, tmp_path: Pat
     assert took < 15, f"process 0 was stopped {took:.1f} s after its peer died"
 
 
-def test_without_a_supervisor_the_survivor_notices_a_dead_peer(tiny: Any, tmp_path: Path, script_environ) -> None:
+def test_without_a_supervisor_the_survivor_notices_a_dead_peer(
+    tiny: Any, tmp_path: Path, script_environ, spawn
+) -> None:
     """As pods on two nodes: nobody stops process 0 when process 1 dies, the coordination service's heartbeat
     does."""
     job = _job(tiny, tmp_path, training={"steps": 400})
@@ -92,7 +93,7 @@ def test_without_a_supervisor_the_survivor_notices_a_dead_peer(tiny: Any, tmp_pa
         env = {**base, **pod_env(job, host_index=i, hosts=2, coordinator=coordinator, config_path=str(config_path),
                                  run_dir=str(tmp_path / "run"), metrics_port=0)}  # fmt: skip
         out = open(tmp_path / f"process-{i}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append((subprocess.Popen(pod_command(job), env=env, stdout=out, stderr=subprocess.STDOUT), out))
+        procs.append((spawn(pod_command(job), env=env, stdout=out, stderr=subprocess.STDOUT), out))
     try:
         log = tmp_path / "run" / "steps.jsonl"
         deadline = time.monotonic() + 180
