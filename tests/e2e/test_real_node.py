@@ -503,6 +503,45 @@ def test_storage_gone_while_a_checkpoint_is_written_is_waited_out(
         proxy.close()
 
 
+def test_storage_gone_longer_than_storage_outage_seconds_fails_the_job_naming_storage(
+    k8s: Any, cluster: Any, namespace: str, node: dict[str, Any], storage: str, operator: str
+) -> None:
+    """Storage stops answering from checkpoint 5's first array upload and does not come back within
+    ``spec.data.storageOutageSeconds`` (10 s): the trainers stop waiting, the job fails without a restart, and its
+    message names storage and the field, so the user knows what to fix and how long the run waited."""
+    from storage_proxy import FlakyProxy
+
+    proxy = FlakyProxy(storage, fail_every=0, mode="drop", host=cluster.env["host_ip"])
+    name, steps, interval, limit_s, down_s = "tiny-storage-gone", 100, 5, 10, 120.0
+    prefix = f"{namespace}/{name}/checkpoints/"
+    doc = _trainingjob(name, namespace, node, steps, interval)
+    doc["spec"]["maxRestarts"] = 0  # the failure is the job's: a restart would only wait again
+    doc["spec"]["data"]["storageOutageSeconds"] = limit_s
+    doc["spec"]["resources"]["env"] = [
+        {"name": "STORAGE_EMULATOR_HOST", "value": proxy.address},
+        {"name": "TENSORSTORE_GCS_HTTP_URL", "value": proxy.address},
+    ]
+    proxy.go_down_on(f"{prefix}{interval}/state/", down_s, method="POST")
+    try:
+        k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        status = _wait(
+            lambda: (s := _status(k8s, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to fail",
+        )
+        pods = _pods(k8s, namespace, name)
+        outage = proxy.outages[0] if proxy.outages else None
+        print(f"injected: storage down {down_s:.0f} s from {outage and outage[0]!r} with storageOutageSeconds "
+              f"{limit_s}; found: {status['phase']}, {status.get('restarts', 0)} restarts, "
+              f"message {status.get('message')!r}")  # fmt: skip
+        assert outage is not None and status["phase"] == "Failed", (status, _logs(k8s, namespace, pods))
+        assert status.get("restarts", 0) == 0
+        message = status.get("message") or ""
+        assert "StorageOutage: storage for " in message and f"storageOutageSeconds={limit_s}" in message, message
+        assert interval not in _checkpoint_steps(storage, prefix, "commit_success.txt")
+    finally:
+        proxy.close()
+
+
 def _allowed(k8s: Any, user: str, verb: str, resource: str, namespace: str, group: str = "") -> bool:
     """The API server's own answer (SubjectAccessReview) to whether ``user`` may ``verb`` ``resource``."""
     groups = ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}", "system:authenticated"]

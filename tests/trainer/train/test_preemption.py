@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,7 +169,7 @@ class _AsyncSaves:
         return self.writing
 
     def wait_checkpoint(self) -> None:
-        self.writing = False
+        assert not self.writing, "Saves polls checkpoint_pending() instead of blocking in the backend's wait"
 
 
 class _Reports:
@@ -202,5 +203,6 @@ def test_a_checkpoint_is_reported_when_it_commits_not_when_it_starts() -> None:
     loop.saves.settle(wait=False)
     assert [s for s, _ in loop.reporter.checkpoints] == [50] and loop.result.checkpoints == [50]
     loop.save(state=None, next_step=100)
+    threading.Timer(0.3, lambda: setattr(loop.backend, "writing", False)).start()  # commits in the background
     loop.saves.settle(wait=True)  # end of the run (or SIGTERM): wait for the commit
     assert loop.result.checkpoints == [50, 100] and all(seconds >= 0 for _, seconds in loop.reporter.checkpoints)

@@ -170,11 +170,12 @@ class Backend(Protocol):
         ...
 
     def checkpoint_pending(self) -> bool:
-        """True while a checkpoint ``save`` started is still being written (not yet committed)."""
+        """True while a checkpoint ``save`` started is still being written (not yet committed). It turns False on
+        its own: the run polls it rather than block in ``wait_checkpoint`` (train/saves.py says why)."""
         ...
 
     def wait_checkpoint(self) -> None:
-        """Block until the last checkpoint ``save`` started is committed."""
+        """Block until the last checkpoint ``save`` started is committed; raise what its background write raised."""
         ...
 
     def restore(self, state: Any | None = None) -> Restored | None:

@@ -50,8 +50,10 @@ class StorageBreaker:
     def open(self) -> bool:
         return self._since is not None
 
-    def failed(self, where: str, detail: str, attempt: int) -> None:
-        """A read failed after its retries: wait before the caller tries again, or raise ``StorageOutage``."""
+    def failed(self, where: str, detail: str, attempt: int, give_up: Callable[[bool], bool] | None = None) -> None:
+        """A read failed after its retries: wait before the caller tries again, or raise ``StorageOutage``.
+        ``give_up`` turns this process's verdict (past the limit or not) into the one every process of the run
+        takes (a collective), so all stop together and none is left waiting for a peer that left."""
         now = self._clock()
         with self._lock:
             if self._since is None:
@@ -59,13 +61,16 @@ class StorageBreaker:
                 log.warning("storage unreachable (%s): waiting up to %.0f s for it to come back", detail, self.limit_s)
             lasted = now - self._since
         self._report(lasted)
-        if lasted >= self.limit_s:
+        over = lasted >= self.limit_s
+        if give_up is not None:
+            over = give_up(over)
+        if over:
             raise StorageOutage(
                 f"storage for {where} unreachable for {lasted:.0f} s (spec.data.storageOutageSeconds="
                 f"{self.limit_s:g}); last error: {detail}. Check the bucket, the credentials and the network, "
                 "then resume the run (it restarts from its last checkpoint)"
             )
-        self._sleep(random.uniform(0.5, 1.0) * min(self.max_delay_s, 0.5 * 2**attempt, self.limit_s - lasted))
+        self._sleep(random.uniform(0.5, 1.0) * min(self.max_delay_s, 0.5 * 2**attempt, max(0.0, self.limit_s - lasted)))
 
     def succeeded(self) -> None:
         with self._lock:

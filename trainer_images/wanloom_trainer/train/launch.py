@@ -211,6 +211,10 @@ def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_por
         code = supervisor.wait()
         if echo is not None:
             echo.join(timeout=5)
+        for out in logs:
+            out.flush()
+        if code != 0:
+            _say_why(run_dir, supervisor.children)
         return code
     finally:
         for p in supervisor.children:
@@ -218,6 +222,18 @@ def run_processes(job: TrainingJob, processes: int, *, run_dir: str, metrics_por
                 p.kill()
         for f in logs:
             f.close()
+
+
+def _say_why(run_dir: str, children: list[subprocess.Popen]) -> None:
+    """The reason each failed process gave (its last ``wanloom trainer:`` line, as a pod's termination message
+    says it), on stderr: only process 0's output reaches the terminal."""
+    for i, child in enumerate(children):
+        if child.returncode in (0, None):
+            continue
+        lines = Path(run_dir, "logs", f"process-{i}.log").read_text(errors="replace").splitlines()
+        reasons = [line for line in lines if line.startswith("wanloom trainer: ")]
+        if reasons:
+            print(f"process {i}: {reasons[-1]}", file=sys.stderr, flush=True)
 
 
 def _echo(stream: IO[str], log_file: IO[str]) -> None:

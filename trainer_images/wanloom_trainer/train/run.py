@@ -119,12 +119,12 @@ def run(
     """Train ``config`` to ``config.steps`` (resuming from the latest checkpoint); ``on_step`` sees every step."""
     backend = backend if backend is not None else make_backend(config)  # 1. backend
     with ExitStack() as stack:
-        stack.callback(backend.close)
+        stack.enter_context(_closing(backend.close, "the backend", on_error=False))
         metrics = start_exporter(config, backend.process_index)  # first: the loader reports skipped samples
-        stack.callback(metrics.close)
+        stack.enter_context(_closing(metrics.close, "the metrics exporter"))
         metrics.record_expected_shares(config.routing.expected_shares())
         dataset = open_data(config, backend)  # 2. data
-        stack.callback(dataset.close)
+        stack.enter_context(_closing(dataset.close, "the dataset"))
         planner = make_planner(config, dataset.sample_shapes(), layout=LAYOUTS[backend.name])  # 3. plans
         state, start, meta = initial_state(config, backend)  # 4. state
         if meta:  # resumed: the checkpoint gauges describe the checkpoint until the run saves its own
@@ -132,7 +132,7 @@ def run(
         reporter = Reporter(
             config, metrics=metrics, process_index=backend.process_index, start_step=start, progress=progress
         )
-        stack.callback(reporter.close)
+        stack.enter_context(_closing(reporter.close, "the reporter"))
         result = RunResult(start_step=start, next_step=start)
         stop = stack.enter_context(StopRequest().installed())
         loop = _Loop(config, backend, planner, reporter, result, on_step, stop)
@@ -141,6 +141,26 @@ def run(
         state = loop.run(state, start, meta)  # 5. loop
         finish(config, backend, result, reporter)  # 6. finish
     return result
+
+
+@contextlib.contextmanager
+def _closing(close: Callable[[], object], what: str, *, on_error: bool = True) -> Iterator[None]:
+    """``close()`` on the way out. When the run is failing, the error on its way out is what the user must see: a
+    close that fails then is logged, not raised in its place; and with ``on_error=False`` it is not called at all
+    (the backend's close waits for the checkpoint in flight, which a failed run — storage gone, a peer gone —
+    may never finish; the process exits right after)."""
+    try:
+        yield
+    except BaseException:
+        if on_error:
+            try:
+                close()
+            except Exception as exc:
+                log.warning("closing %s after the run failed also failed: %s", what, exc)
+        else:
+            log.warning("the run failed: not waiting for %s to close", what)
+        raise
+    close()
 
 
 def open_data(config: TrainConfig, backend: Backend) -> LatentDataset:

@@ -8,7 +8,9 @@ the state it has then (``resave``), waiting with ``outage.StorageBreaker`` betwe
 
 All processes of a run take the same branch: with several, each step a save is in flight they agree on its
 outcome (one small gather), so no process saves again alone (a save is collective) or reports a commit another
-process saw fail.
+process saw fail; and they give up on storage together (one gather per lost save). A save one process lost is lost
+for all at once: the others do not wait for their part of it, which may hang in the backend's commit barrier for
+the peer that failed (orbax waits up to 20 minutes); no new save starts until every process is done with it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from wanloom_trainer.data.storage import TRANSIENT_HTTP, is_transient
 
 log = logging.getLogger(__name__)
 
-# One process's view of the save in flight, ordered so that the max over processes is what all of them must do.
-COMMITTED, FAILED, PENDING = 0, 1, 2
+# One process's view of the save in flight, ordered so that the max over processes is what all of them must do:
+# one failure fails the save everywhere, and only once every process has committed has it committed.
+COMMITTED, PENDING, FAILED = 0, 1, 2
+POLL_S = 0.5  # how often a process looks at the save it waits for (and processes compare notes)
+PROBE_EVERY_S = 5.0  # how often a process waiting for a save checks that storage still answers
+BUSY_WAIT_S = 1.0  # between tries to start a save while a lost one is still being written
 _NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
                    errno.ENETUNREACH, errno.EPIPE}  # fmt: skip
 # tensorstore and XLA put the gRPC status first in the message.
@@ -81,12 +87,20 @@ class Saves:
     def start(self, state: object, next_step: int, meta: dict[str, object]) -> None:
         """Start saving ``state`` as checkpoint ``next_step`` (the previous save must have been settled)."""
         assert self.pending is None, "one save in flight at a time"
-        if not self._storage_answers():
+        answers, busy = self._ready()
+        if not answers:
             self.resave = True
             log.warning("checkpoint for step %d not started, storage did not answer; the next step tries again",
                         next_step)  # fmt: skip
             self._failures += 1
-            self.breaker.failed(f"checkpoints ({self.where})", "the storage probe failed", self._failures)
+            self.breaker.failed(f"checkpoints ({self.where})", "the storage probe failed", self._failures,
+                                self._give_up_together)  # fmt: skip
+            return
+        if busy:  # the backend would block in save() until it is done: train on and try at the next step
+            self.resave = True
+            log.warning("checkpoint for step %d not started: a process is still writing the checkpoint storage "
+                        "lost; the next step tries again", next_step)  # fmt: skip
+            time.sleep(BUSY_WAIT_S)
             return
         self.resave = False
         self.pending = PendingSave(next_step, time.perf_counter())
@@ -104,13 +118,9 @@ class Saves:
         ``agree=False``: this process alone (its peers may be inside a collective)."""
         if self.pending is None:
             return
-        outcome = self._local_outcome(wait)
-        if agree and self.backend.process_count > 1:
-            outcome = int(max(self.backend.gather_floats(float(outcome))))
+        outcome = self._outcome(wait, together=agree and self.backend.process_count > 1)
         if outcome == PENDING:
             return
-        if outcome == FAILED and self._error is None:
-            self._wait_quietly()  # a peer's save failed: this one's may still be writing the same checkpoint
         pending, error, self.pending, self._error = self.pending, self._error, None, None
         if outcome == COMMITTED:
             self._failures = 0
@@ -124,27 +134,69 @@ class Saves:
         log.warning("checkpoint for step %d not committed, storage did not answer (%s); the previous checkpoint "
                     "stays the latest and the next step saves again", pending.next_step, detail[:300])  # fmt: skip
         self._failures += 1
-        self.breaker.failed(f"checkpoints ({self.where})", detail[:300], self._failures)
+        self.breaker.failed(f"checkpoints ({self.where})", detail[:300], self._failures, self._give_up_together)
 
-    def _storage_answers(self) -> bool:
-        """Whether every process reached storage just now. A save's first part runs collectives (orbax's barriers)
-        around process 0's directory creation: a failure there, on one process, would leave the others waiting in
-        a barrier. So processes that cannot reach storage all skip the save together instead of starting it."""
-        if self.probe is None or self.backend.process_count == 1:
-            return True
+    def _give_up_together(self, mine: bool) -> bool:
+        """Whether any process is past the outage limit: each measures the outage on its own clock, and one that
+        stopped alone would leave the others in the next collective."""
+        if self.backend.process_count == 1:
+            return mine
+        return max(self.backend.gather_floats(1.0 if mine else 0.0)) > 0
+
+    def _ready(self) -> tuple[bool, bool]:
+        """(every process reached storage just now, some process is still writing a lost save), agreed.
+
+        A save's first part runs collectives (orbax's barriers) around process 0's directory creation: a failure
+        there, on one process, would leave the others waiting in a barrier. So processes that cannot reach storage
+        all skip the save together instead of starting it; and so do they while one is still busy with a lost
+        save. (One process alone has no peer to strand: its save fails where it stands, without a probe.)"""
+        busy = self.backend.checkpoint_pending()
+        if self.backend.process_count == 1:
+            return True, busy
+        unreachable = 0.0
+        if self.probe is not None:
+            try:
+                self.probe()
+            except Exception as exc:
+                if not is_storage_outage(exc):
+                    raise
+                unreachable = 1.0
+        codes = [int(c) for c in self.backend.gather_floats(unreachable + (2.0 if busy else 0.0))]
+        return not any(c & 1 for c in codes), any(c & 2 for c in codes)
+
+    def _outcome(self, wait: bool, *, together: bool) -> int:
+        """The save's outcome, as every process takes it where ``together``; with ``wait``, polled until it is
+        not pending. Nobody blocks inside the backend's wait: a part a peer's failure left waiting for that peer,
+        or orbax's finalize retrying a write, would hold it for as long as storage stays away. A save still
+        pending while storage does not answer the probe is lost (its backend may go on with it, unreported)."""
+        next_probe = time.monotonic() + PROBE_EVERY_S
+        while True:
+            local = self._local_outcome()
+            if local == PENDING and wait and time.monotonic() >= next_probe:
+                local = self._probe_pending()
+                next_probe = time.monotonic() + PROBE_EVERY_S
+            outcome = int(max(self.backend.gather_floats(float(local)))) if together else local
+            if outcome != PENDING or not wait:
+                return outcome
+            time.sleep(POLL_S)
+
+    def _probe_pending(self) -> int:
+        if self.probe is None:
+            return PENDING
         try:
             self.probe()
-            ok = 1.0
         except Exception as exc:
             if not is_storage_outage(exc):
                 raise
-            ok = 0.0
-        return min(self.backend.gather_floats(ok)) > 0
+            self._error = exc
+            return FAILED
+        return PENDING
 
-    def _local_outcome(self, wait: bool) -> int:
+    def _local_outcome(self) -> int:
+        """This process's part of the save, without waiting for it."""
         if self._error is not None:
             return FAILED
-        if not wait and self.backend.checkpoint_pending():
+        if self.backend.checkpoint_pending():
             return PENDING
         try:
             self.backend.wait_checkpoint()  # returns at once when done; raises what the background save raised
@@ -154,10 +206,3 @@ class Saves:
             self._error = exc
             return FAILED
         return COMMITTED
-
-    def _wait_quietly(self) -> None:
-        try:
-            self.backend.wait_checkpoint()
-        except Exception as exc:
-            if not is_storage_outage(exc):
-                raise
