@@ -58,8 +58,9 @@ class TensorBoardTracker:
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
-        with contextlib.suppress(queue.Full):
-            self._calls.put(None, timeout=timeout_s)
+        if self._thread.is_alive():  # a writer that failed takes nothing more from the queue
+            with contextlib.suppress(queue.Full):
+                self._calls.put(None, timeout=timeout_s)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("tensorboard: events not written to %s within %.0f s (storage unreachable?); given up",

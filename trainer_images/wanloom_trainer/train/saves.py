@@ -153,15 +153,8 @@ class Saves:
         busy = self.backend.checkpoint_pending()
         if self.backend.process_count == 1:
             return True, busy
-        unreachable = 0.0
-        if self.probe is not None:
-            try:
-                self.probe()
-            except Exception as exc:
-                if not is_storage_outage(exc):
-                    raise
-                unreachable = 1.0
-        codes = [int(c) for c in self.backend.gather_floats(unreachable + (2.0 if busy else 0.0))]
+        unreachable = self._probe_error() is not None
+        codes = [int(c) for c in self.backend.gather_floats((1.0 if unreachable else 0.0) + (2.0 if busy else 0.0))]
         return not any(c & 1 for c in codes), any(c & 2 for c in codes)
 
     def _outcome(self, wait: bool, *, together: bool) -> int:
@@ -173,24 +166,25 @@ class Saves:
         while True:
             local = self._local_outcome()
             if local == PENDING and wait and time.monotonic() >= next_probe:
-                local = self._probe_pending()
+                self._error = self._probe_error()
+                local = FAILED if self._error is not None else PENDING
                 next_probe = time.monotonic() + PROBE_EVERY_S
             outcome = int(max(self.backend.gather_floats(float(local)))) if together else local
             if outcome != PENDING or not wait:
                 return outcome
             time.sleep(POLL_S)
 
-    def _probe_pending(self) -> int:
+    def _probe_error(self) -> BaseException | None:
+        """What storage said when asked just now, if it did not answer (None: it answered, or nothing to ask)."""
         if self.probe is None:
-            return PENDING
+            return None
         try:
             self.probe()
         except Exception as exc:
             if not is_storage_outage(exc):
                 raise
-            self._error = exc
-            return FAILED
-        return PENDING
+            return exc
+        return None
 
     def _local_outcome(self) -> int:
         """This process's part of the save, without waiting for it."""
