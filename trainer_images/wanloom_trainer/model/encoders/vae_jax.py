@@ -1,20 +1,22 @@
 """The Wan VAE (``AutoencoderKLWan``: Wan 2.1's 16-channel 4x8x8 and Wan 2.2's 48-channel 4x16x16 with patchify) in
 JAX, as pure functions over the diffusers checkpoint's tensors (names as in the checkpoint), channels last.
 
-The reference encodes the first frame, then chunks of 4, carrying each causal convolution's last two input frames
-(its feature cache); it decodes one latent frame at a time. Over a clip of 1 + 4k frames that is the same as
-running every layer over the whole clip once, which is what these functions do:
+The encoder runs as the reference does: the first frame, then chunks of 4 frames; the decoder one latent frame at
+a time. Each causal layer carries its last input frames from one chunk to the next (the reference's feature cache,
+``_FrameCache``), so a chunk's output is the same as running the layer over the whole clip, and memory is that of
+one chunk whatever the clip's length: a 121-frame 720p clip needs what a 5-frame one does. The chunks after the
+first run in a ``lax.scan``, so one chunk is compiled, not the clip. Per layer:
 
-- a causal 3D convolution pads two zero frames in front (the cache of the first chunk is empty);
-- the temporal downsampler keeps the first frame and convolves the rest as a stride-2 window that starts at frame 0
-  (each chunk starts from the previous chunk's last frame); the temporal upsampler keeps the first frame and
-  doubles the others through a causal convolution over frames 1.. (the reference's "Rep" first chunk);
-- Wan 2.2's average-down shortcut pads in front to a multiple of its factor (the first chunk's single frame), and
-  its duplicate-up shortcut drops the first (factor - 1) frames (the reference's first chunk).
+- a causal 3D convolution sees its two cached frames in front (zeros before the first chunk);
+- the temporal downsampler passes the first chunk's single frame through and keeps it; later chunks are convolved
+  as stride-2 windows that start at the kept last frame of the chunk before;
+- the temporal upsampler passes the first latent frame through; later ones are doubled by a causal convolution
+  whose cache starts from zeros (the reference's "Rep" state);
+- Wan 2.2's average-down shortcut pads the first chunk's single frame in front to its factor, and its
+  duplicate-up shortcut drops the first (factor - 1) frames of the first chunk.
 
 Tests compare latents and reconstructions with diffusers' ``AutoencoderKLWan`` in float32 on shapes they were not
-tuned to. Memory grows with the clip (no chunking yet): long 720p clips need the spatial tiling the TPU path
-does not have yet.
+tuned to.
 """
 
 from __future__ import annotations
@@ -185,9 +187,42 @@ def random_params(cfg: VaeConfig, seed: int, in_channels: int = 3) -> Params:
 # --- layers -----------------------------------------------------------------------------------------------------
 
 
-def _conv3d(p: Params, x: jax.Array, pad: tuple[int, int, int], stride: tuple[int, int, int] = (1, 1, 1)) -> jax.Array:
-    """Causal 3D convolution: ``2 * pad[0]`` zero frames in front, ``pad[1:]`` on both sides in space."""
-    padding = ((2 * pad[0], 0), (pad[1], pad[1]), (pad[2], pad[2]))
+class _FrameCache:
+    """The last input frames of every causal layer, in the order the layers run, carried from one chunk of frames to
+    the next (a ``lax.scan`` carry). ``previous`` is None for a clip's first chunk."""
+
+    def __init__(self, previous: list[jax.Array] | None) -> None:
+        self.previous = previous
+        self.kept: list[jax.Array] = []
+
+    @property
+    def first(self) -> bool:
+        return self.previous is None
+
+    def prepend(self, x: jax.Array, frames: int) -> jax.Array:
+        """``x`` after its ``frames`` cached frames (zeros before the first chunk); keeps the last ``frames``."""
+        if self.previous is None:
+            cached = jnp.zeros((x.shape[0], frames, *x.shape[2:]), x.dtype)
+        else:
+            cached = self.previous[len(self.kept)]
+        full = jnp.concatenate([cached, x], axis=1)
+        self.kept.append(full[:, -frames:])
+        return full
+
+    def keep(self, frames: jax.Array) -> None:
+        """What a layer that passes the first chunk through keeps for the next chunk."""
+        self.kept.append(frames)
+
+
+def _conv3d(
+    p: Params, x: jax.Array, pad: tuple[int, int, int], cache: _FrameCache | None = None,
+    stride: tuple[int, int, int] = (1, 1, 1),
+) -> jax.Array:  # fmt: skip
+    """Causal 3D convolution: ``2 * pad[0]`` cached frames in front, ``pad[1:]`` on both sides in space."""
+    if pad[0]:
+        assert cache is not None, "a temporal convolution needs its cache"
+        x = cache.prepend(x, 2 * pad[0])
+    padding = ((0, 0), (pad[1], pad[1]), (pad[2], pad[2]))
     y = jax.lax.conv_general_dilated(x, p["weight"], stride, padding, dimension_numbers=_DN3)
     return y + p["bias"]
 
@@ -208,10 +243,10 @@ def _rms(p: Params, x: jax.Array) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
-def _resblock(p: Params, x: jax.Array) -> jax.Array:
+def _resblock(p: Params, x: jax.Array, cache: _FrameCache) -> jax.Array:
     h = _conv3d(p["conv_shortcut"], x, (0, 0, 0)) if "conv_shortcut" in p else x
-    x = _conv3d(p["conv1"], jax.nn.silu(_rms(p["norm1"], x)), (1, 1, 1))
-    x = _conv3d(p["conv2"], jax.nn.silu(_rms(p["norm2"], x)), (1, 1, 1))
+    x = _conv3d(p["conv1"], jax.nn.silu(_rms(p["norm1"], x)), (1, 1, 1), cache)
+    x = _conv3d(p["conv2"], jax.nn.silu(_rms(p["norm2"], x)), (1, 1, 1), cache)
     return x + h
 
 
@@ -225,24 +260,29 @@ def _attention(p: Params, x: jax.Array) -> jax.Array:
     return _conv2d(p["proj"], out, "VALID") + x
 
 
-def _mid(p: Params, x: jax.Array) -> jax.Array:
-    x = _resblock(p["resnets"]["0"], x)
-    return _resblock(p["resnets"]["1"], _attention(p["attentions"]["0"], x))
+def _mid(p: Params, x: jax.Array, cache: _FrameCache) -> jax.Array:
+    x = _resblock(p["resnets"]["0"], x, cache)
+    return _resblock(p["resnets"]["1"], _attention(p["attentions"]["0"], x), cache)
 
 
-def _resample(p: Params, x: jax.Array, mode: str) -> jax.Array:
-    if mode == "upsample3d" and x.shape[1] > 1:
-        rest = _conv3d(p["time_conv"], x[:, 1:], (1, 0, 0))  # [B, T-1, H, W, 2C]: two frames per frame
-        b, t, h, w, c2 = rest.shape
-        rest = rest.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
-        x = jnp.concatenate([x[:, :1], rest], axis=1)
+def _resample(p: Params, x: jax.Array, mode: str, cache: _FrameCache) -> jax.Array:
+    if mode == "upsample3d":
+        if cache.first:  # the first latent frame stays one frame; the convolution starts from zeros
+            cache.keep(jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype))
+        else:
+            doubled = _conv3d(p["time_conv"], x, (1, 0, 0), cache)  # [B, T, H, W, 2C]: two frames per frame
+            b, t, h, w, c2 = doubled.shape
+            x = doubled.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
     if mode.startswith("upsample"):
         x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)  # nearest-exact x2
         return _conv2d(p["resample"]["1"], x, ((1, 1), (1, 1)))
     x = _conv2d(p["resample"]["1"], x, ((0, 1), (0, 1)), stride=(2, 2))  # zero pad right and bottom, stride 2
-    if mode == "downsample3d" and x.shape[1] > 1:
-        rest = _conv3d(p["time_conv"], x, (0, 0, 0), stride=(2, 1, 1))  # windows (0,1,2), (2,3,4), ...
-        x = jnp.concatenate([x[:, :1], rest], axis=1)
+    if mode == "downsample3d":
+        if cache.first:  # the first frame passes through and starts the next chunk's first window
+            cache.keep(x[:, -1:])
+        else:  # windows (last kept, 1, 2), (2, 3, 4) of a 4-frame chunk
+            x = cache.prepend(x, 1)
+            x = _conv3d(p["time_conv"], x, (0, 0, 0), stride=(2, 1, 1))
     return x
 
 
@@ -264,12 +304,12 @@ def _dup_up(x: jax.Array, out_channels: int, ft: int, fs: int, first_chunk: bool
     return x[:, ft - 1 :] if first_chunk else x
 
 
-# --- encoder and decoder ----------------------------------------------------------------------------------------
+# --- encoder and decoder, one chunk of frames -------------------------------------------------------------------
 
 
-def _encoder(p: Params, cfg: VaeConfig, x: jax.Array) -> jax.Array:
+def _encoder(p: Params, cfg: VaeConfig, x: jax.Array, cache: _FrameCache) -> jax.Array:
     dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
-    x = _conv3d(p["conv_in"], x, (1, 1, 1))
+    x = _conv3d(p["conv_in"], x, (1, 1, 1), cache)
     last = len(cfg.dim_mult) - 1
     layer = 0
     for i, out_dim in enumerate(dims[1:]):
@@ -280,28 +320,28 @@ def _encoder(p: Params, cfg: VaeConfig, x: jax.Array) -> jax.Array:
                 x, out_dim, 2 if i != last and cfg.temperal_downsample[i] else 1, 2 if i != last else 1
             )
             for r in range(cfg.num_res_blocks):
-                x = _resblock(block["resnets"][str(r)], x)
+                x = _resblock(block["resnets"][str(r)], x, cache)
             if i != last:
-                x = _resample(block["downsampler"], x, down)
+                x = _resample(block["downsampler"], x, down, cache)
             x = x + shortcut
             continue
         for _ in range(cfg.num_res_blocks):
-            x = _resblock(p["down_blocks"][str(layer)], x)
+            x = _resblock(p["down_blocks"][str(layer)], x, cache)
             layer += 1
             if 0.5**i in cfg.attn_scales:
                 x = _attention(p["down_blocks"][str(layer)], x)
                 layer += 1
         if i != last:
-            x = _resample(p["down_blocks"][str(layer)], x, down)
+            x = _resample(p["down_blocks"][str(layer)], x, down, cache)
             layer += 1
-    x = _mid(p["mid_block"], x)
-    return _conv3d(p["conv_out"], jax.nn.silu(_rms(p["norm_out"], x)), (1, 1, 1))
+    x = _mid(p["mid_block"], x, cache)
+    return _conv3d(p["conv_out"], jax.nn.silu(_rms(p["norm_out"], x)), (1, 1, 1), cache)
 
 
-def _decoder(p: Params, cfg: VaeConfig, z: jax.Array) -> jax.Array:
+def _decoder(p: Params, cfg: VaeConfig, z: jax.Array, cache: _FrameCache) -> jax.Array:
     dims = [cfg.decoder_base_dim * m for m in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
     temporal = cfg.temperal_downsample[::-1]
-    x = _mid(p["mid_block"], _conv3d(p["conv_in"], z, (1, 1, 1)))
+    x = _mid(p["mid_block"], _conv3d(p["conv_in"], z, (1, 1, 1), cache), cache)
     last = len(cfg.dim_mult) - 1
     for i, out_dim in enumerate(dims[1:]):
         block = p["up_blocks"][str(i)]
@@ -309,14 +349,35 @@ def _decoder(p: Params, cfg: VaeConfig, z: jax.Array) -> jax.Array:
         mode = "upsample3d" if up and temporal[i] else "upsample2d"
         shortcut = x
         for r in range(cfg.num_res_blocks + 1):
-            x = _resblock(block["resnets"][str(r)], x)
+            x = _resblock(block["resnets"][str(r)], x, cache)
         if cfg.is_residual:
             if up:
-                x = _resample(block["upsampler"], x, mode)
-                x = x + _dup_up(shortcut, out_dim, 2 if temporal[i] else 1, 2, first_chunk=True)
+                x = _resample(block["upsampler"], x, mode, cache)
+                x = x + _dup_up(shortcut, out_dim, 2 if temporal[i] else 1, 2, first_chunk=cache.first)
         elif up:
-            x = _resample(block["upsamplers"]["0"], x, mode)
-    return _conv3d(p["conv_out"], jax.nn.silu(_rms(p["norm_out"], x)), (1, 1, 1))
+            x = _resample(block["upsamplers"]["0"], x, mode, cache)
+    return _conv3d(p["conv_out"], jax.nn.silu(_rms(p["norm_out"], x)), (1, 1, 1), cache)
+
+
+def _chunked(run: Any, x: jax.Array, size: int) -> jax.Array:
+    """``run(chunk, cache)`` over the first frame of ``x``, then over chunks of ``size`` frames in a ``lax.scan``, the
+    cache carried through; outputs joined along time. Frames past the last whole chunk are left out, as the
+    reference leaves them out."""
+    cache = _FrameCache(None)
+    first = run(x[:, :1], cache)
+    chunks = (x.shape[1] - 1) // size
+    if not chunks:
+        return first
+    b = x.shape[0]
+    rest = x[:, 1 : 1 + chunks * size].reshape(b, chunks, size, *x.shape[2:]).swapaxes(0, 1)
+
+    def step(previous: list[jax.Array], chunk: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        chunk_cache = _FrameCache(previous)
+        y = run(chunk, chunk_cache)
+        return chunk_cache.kept, y
+
+    _, ys = jax.lax.scan(step, cache.kept, rest)  # [chunks, B, t, ...]
+    return jnp.concatenate([first, ys.swapaxes(0, 1).reshape(b, -1, *ys.shape[3:])], axis=1)
 
 
 def _patchify(x: jax.Array, p: int | None) -> jax.Array:
@@ -337,14 +398,16 @@ def _unpatchify(x: jax.Array, p: int | None) -> jax.Array:
 
 def encode(params: Params, cfg: VaeConfig, pixels: jax.Array) -> jax.Array:
     """Pixels in [-1, 1], [B, F, H, W, 3] (F = 1 + 4k) -> posterior means [B, T', H', W', z_dim], not normalised."""
-    x = _encoder(params["encoder"], cfg, _patchify(pixels, cfg.patch_size))
+    x = _chunked(lambda chunk, cache: _encoder(params["encoder"], cfg, chunk, cache),
+                 _patchify(pixels, cfg.patch_size), cfg.scale_factor_temporal)  # fmt: skip
     moments = _conv3d(params["quant_conv"], x, (0, 0, 0))
     return moments[..., : cfg.z_dim]
 
 
 def decode(params: Params, cfg: VaeConfig, latents: jax.Array) -> jax.Array:
     """Latents [B, T', H', W', z_dim] (not normalised) -> pixels in [-1, 1], [B, F, H, W, 3]."""
-    x = _decoder(params["decoder"], cfg, _conv3d(params["post_quant_conv"], latents, (0, 0, 0)))
+    z = _conv3d(params["post_quant_conv"], latents, (0, 0, 0))
+    x = _chunked(lambda chunk, cache: _decoder(params["decoder"], cfg, chunk, cache), z, 1)
     return jnp.clip(_unpatchify(x, cfg.patch_size), -1.0, 1.0)
 
 
