@@ -108,3 +108,24 @@ def test_without_pytorch_auto_prepares_with_jax(tmp_path: Path, media_set, tiny_
     assert json.loads((out / "index.json").read_text())["num_samples"] == len(media_set.good)
     with pytest.raises(ValueError, match="encoders 'onnx' is not one of auto, jax, torch"):
         _config(media_set.folder, out, tiny_model_root, "onnx")
+
+
+def test_a_batch_the_device_cannot_hold_is_encoded_in_the_largest_calls_that_fit(tiny_model_root: Path) -> None:
+    """The per-call batch comes from the compiled VAE's own memory figure: with a device between what 2 and 4 clips
+    need, 4 clips are encoded 2 at a time, to the same latents; a device too small for one clip is named."""
+    from wanloom_trainer.data.prepare.encoders_jax import MEMORY_SHARE, JaxEncoders, program_bytes
+
+    clips = np.random.default_rng(0).integers(0, 255, (4, 9, 48, 80, 3), dtype=np.uint8)
+    whole = JaxEncoders(tiny_model_root)
+    want = whole.encode_pixels(clips)
+    need = {b: program_bytes(whole._vae_program((b, 9, 48, 80, 3))) for b in (1, 2, 4)}
+    assert need[1] < need[2] < need[4]
+
+    limited = JaxEncoders(tiny_model_root, memory_bytes=int((need[2] + need[4]) / 2 / MEMORY_SHARE))
+    got = limited.encode_pixels(clips)
+    assert limited._per_call[(4, 9, 48, 80, 3)] == 2
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+    tiny = JaxEncoders(tiny_model_root, memory_bytes=int(need[1] / 2 / MEMORY_SHARE))
+    with pytest.raises(ValueError, match=r"cannot encode a 9x48x80 clip: one item needs .* GiB"):
+        tiny.encode_pixels(clips)
