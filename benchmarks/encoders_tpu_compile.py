@@ -8,8 +8,10 @@ the real models' sizes, bfloat16, weights replicated, compiled ahead of time for
 (a TensorCore: 96 GiB of HBM). The compiled executable's memory analysis says whether it fits; its cost analysis
 (XLA's FLOP and byte estimates) gives a roofline time per item against one device's share of the chip's peaks
 (Google Cloud's TPU7x table: 2,307 bf16 TFLOP/s and 7,380 GB/s per chip, two devices per chip), and from it an
-upper bound on clips (or captions) per hour per 4-chip host. Compiling the VAE at 480p x 81 takes ~11 minutes on
-a 2-core CPU: pick cases with --cases.
+upper bound on clips (or captions) per hour per 4-chip host. The VAE runs its clip as a loop over 4-frame chunks
+and XLA counts a loop's body once, so a VAE case also compiles its first chunk alone and counts the clip as the
+first chunk plus one body per later chunk. Compiling the VAE at 480p x 81 takes ~10 minutes on a 2-core CPU: pick
+cases with --cases.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -38,8 +41,20 @@ UMT5_XXL = umt5_jax.TextConfig(4096, 64, 64, 24, 32, 128, 1e-6, "gelu_new", True
 UMT5_VOCAB, UMT5_FF = 256_384, 10_240
 
 
-def _vae_case(cfg: vae_jax.VaeConfig, program: str, frames: int, height: int, width: int) -> Callable[[Any], Any]:
-    def lower(device: Any) -> Any:
+@dataclass(frozen=True)
+class Case:
+    """A program to compile; for the VAE also its first chunk alone and how often the chunk loop runs, because XLA's
+    cost analysis counts a loop's body once: the clip's cost is first + loops x (program - first)."""
+
+    lower: Callable[[Any], Any]
+    first: Callable[[Any], Any] | None = None
+    loops: int = 0
+
+
+def _vae_case(cfg: vae_jax.VaeConfig, program: str, frames: int, height: int, width: int) -> Case:
+    latent_frames = (frames - 1) // cfg.scale_factor_temporal + 1
+
+    def lower(device: Any, frames: int = frames, latent_frames: int = latent_frames) -> Any:
         put = SingleDeviceSharding(device)
         params = jax.eval_shape(lambda: vae_jax.random_params(cfg, 0, in_channels=3))
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=put), params)
@@ -47,58 +62,78 @@ def _vae_case(cfg: vae_jax.VaeConfig, program: str, frames: int, height: int, wi
             x = jax.ShapeDtypeStruct((1, frames, height, width, 3), jnp.bfloat16, sharding=put)
             return jax.jit(lambda p, x: vae_jax.encode(p, cfg, x)).lower(params, x)
         s = cfg.scale_factor_spatial
-        z = jax.ShapeDtypeStruct((1, (frames - 1) // 4 + 1, height // s, width // s, cfg.z_dim), jnp.bfloat16,
-                                 sharding=put)  # fmt: skip
+        z = jax.ShapeDtypeStruct((1, latent_frames, height // s, width // s, cfg.z_dim), jnp.bfloat16, sharding=put)
         return jax.jit(lambda p, z: vae_jax.decode(p, cfg, z)).lower(params, z)
 
-    return lower
+    return Case(lower, lambda device: lower(device, 1, 1), latent_frames - 1)
 
 
-def _umt5_case(tokens: int) -> Callable[[Any], Any]:
+def umt5_xxl_shapes() -> dict[str, tuple[int, ...]]:
+    """The umT5-XXL encoder's tensors as the checkpoint names them (the umt5_jax layout)."""
+    c = UMT5_XXL
+    shapes = {"shared.weight": (UMT5_VOCAB, c.d_model), "encoder.final_layer_norm.weight": (c.d_model,)}
+    for i in range(c.num_layers):
+        block = f"encoder.block.{i}.layer"
+        attn = f"{block}.0.SelfAttention"
+        shapes |= {f"{attn}.{n}.weight": (c.d_model, c.num_heads * c.d_kv) for n in ("q", "k", "v")}
+        shapes |= {f"{attn}.o.weight": (c.num_heads * c.d_kv, c.d_model),
+                   f"{attn}.relative_attention_bias.weight": (c.num_buckets, c.num_heads),
+                   f"{block}.0.layer_norm.weight": (c.d_model,), f"{block}.1.layer_norm.weight": (c.d_model,),
+                   f"{block}.1.DenseReluDense.wi_0.weight": (c.d_model, UMT5_FF),
+                   f"{block}.1.DenseReluDense.wi_1.weight": (c.d_model, UMT5_FF),
+                   f"{block}.1.DenseReluDense.wo.weight": (UMT5_FF, c.d_model)}  # fmt: skip
+    return shapes
+
+
+def _umt5_case(tokens: int) -> Case:
     def lower(device: Any) -> Any:
-        put, c = SingleDeviceSharding(device), UMT5_XXL
-        shapes = {"shared.weight": (UMT5_VOCAB, c.d_model), "encoder.final_layer_norm.weight": (c.d_model,)}
-        for i in range(c.num_layers):
-            block = f"encoder.block.{i}.layer"
-            attn = f"{block}.0.SelfAttention"
-            shapes |= {f"{attn}.{n}.weight": (c.d_model, c.num_heads * c.d_kv) for n in ("q", "k", "v")}
-            shapes |= {f"{attn}.o.weight": (c.num_heads * c.d_kv, c.d_model),
-                       f"{attn}.relative_attention_bias.weight": (c.num_buckets, c.num_heads),
-                       f"{block}.0.layer_norm.weight": (c.d_model,), f"{block}.1.layer_norm.weight": (c.d_model,),
-                       f"{block}.1.DenseReluDense.wi_0.weight": (c.d_model, UMT5_FF),
-                       f"{block}.1.DenseReluDense.wi_1.weight": (c.d_model, UMT5_FF),
-                       f"{block}.1.DenseReluDense.wo.weight": (UMT5_FF, c.d_model)}  # fmt: skip
-        params = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=put) for k, v in shapes.items()}
+        put = SingleDeviceSharding(device)
+        params = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=put) for k, v in umt5_xxl_shapes().items()}
         ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=put)
-        return jax.jit(lambda p, i, m: umt5_jax.encode(p, c, i, m)).lower(params, ids, ids)
+        return jax.jit(lambda p, i, m: umt5_jax.encode(p, UMT5_XXL, i, m)).lower(params, ids, ids)
 
-    return lower
+    return Case(lower)
 
 
-CASES: dict[str, Callable[[Any], Any]] = {
+CASES: dict[str, Case] = {
     "vae2.1-encode-81x480x832": _vae_case(WAN21, "encode", 81, 480, 832),
     "vae2.1-decode-81x480x832": _vae_case(WAN21, "decode", 81, 480, 832),
     "vae2.1-encode-121x704x1280": _vae_case(WAN21, "encode", 121, 704, 1280),
+    "vae2.1-decode-121x704x1280": _vae_case(WAN21, "decode", 121, 704, 1280),
     "vae2.2-encode-121x704x1280": _vae_case(WAN22, "encode", 121, 704, 1280),
     "umt5-xxl-512-tokens": _umt5_case(512),
 }
 
 
-def run(name: str, device: Any) -> dict[str, Any]:
-    start = time.perf_counter()
-    compiled = CASES[name](device).compile()
-    seconds = time.perf_counter() - start
-    memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+def _cost(compiled: Any) -> tuple[float, float]:
+    cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0]
-    flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def run(name: str, device: Any) -> dict[str, Any]:
+    case = CASES[name]
+    start = time.perf_counter()
+    compiled = case.lower(device).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    flops, moved = _cost(compiled)
+    if case.first is not None:
+        first_flops, first_moved = _cost(case.first(device).compile())
+        flops = first_flops + case.loops * (flops - first_flops)
+        moved = first_moved + case.loops * (moved - first_moved)
     hbm = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+    per_item = memory.temp_size_in_bytes + memory.output_size_in_bytes
     bound = max(flops / PEAK_FLOPS_PER_DEVICE, moved / HBM_BYTES_PER_SECOND_PER_DEVICE)
     return {
         "case": name,
         "compile_seconds": round(seconds, 1),
         "hbm_gib": round(hbm / 2**30, 2),
         "fits": hbm <= HBM_PER_DEVICE,
+        # Weights stay once; scratch and output grow with the batch (an estimate: the encoders compile the real
+        # batch and check it at run time, data/prepare/encoders_jax.py).
+        "batch_estimate": int((HBM_PER_DEVICE - memory.argument_size_in_bytes) // per_item),
         "tflop": round(flops / 1e12, 2),
         "tb_accessed": round(moved / 1e12, 3),
         "roofline_seconds": round(bound, 4),
