@@ -118,14 +118,31 @@ def test_a_batch_the_device_cannot_hold_is_encoded_in_the_largest_calls_that_fit
     clips = np.random.default_rng(0).integers(0, 255, (4, 9, 48, 80, 3), dtype=np.uint8)
     whole = JaxEncoders(tiny_model_root)
     want = whole.encode_pixels(clips)
-    need = {b: program_bytes(whole._vae_program((b, 9, 48, 80, 3))) for b in (1, 2, 4)}
+    pixels = {b: np.zeros((b, 9, 48, 80, 3), np.float32) for b in (1, 2, 4)}
+    need = {b: program_bytes(whole._program(whole._encode_vae, whole.vae, [x])) for b, x in pixels.items()}
     assert need[1] < need[2] < need[4]
 
     limited = JaxEncoders(tiny_model_root, memory_bytes=int((need[2] + need[4]) / 2 / MEMORY_SHARE))
     got = limited.encode_pixels(clips)
-    assert limited._per_call[(4, 9, 48, 80, 3)] == 2
+    assert limited._per_call[("VAE", (4, 9, 48, 80, 3))] == 2
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
     tiny = JaxEncoders(tiny_model_root, memory_bytes=int(need[1] / 2 / MEMORY_SHARE))
     with pytest.raises(ValueError, match=r"cannot encode a 9x48x80 clip: one item needs .* GiB"):
         tiny.encode_pixels(clips)
+
+
+def test_captions_the_device_cannot_hold_at_once_are_encoded_in_smaller_calls(tiny_model_root: Path) -> None:
+    from wanloom_trainer.data.prepare.encoders import clean_caption
+    from wanloom_trainer.data.prepare.encoders_jax import MEMORY_SHARE, JaxEncoders, program_bytes
+
+    captions = ["a cat", "a dog on a red boat at dawn", "rain", "two birds"]
+    whole = JaxEncoders(tiny_model_root)
+    want = whole.encode_text(captions, 32)
+    ids, mask = whole.tokenizer([clean_caption(c) for c in captions], 32)
+    need = {b: program_bytes(whole._program(whole._encode_text, whole.text, [ids[:b], mask[:b]])) for b in (2, 4)}
+    limited = JaxEncoders(tiny_model_root, memory_bytes=int((need[2] + need[4]) / 2 / MEMORY_SHARE))
+    got = limited.encode_text(captions, 32)
+    assert [k for k, v in limited._per_call.items() if k[0] == "text encoder" and v == 2]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

@@ -7,9 +7,11 @@ the I2V condition as 4 mask channels and the latents of the first frame followed
 input shape compiles once (a bucket is one shape). On a host with several chips (a TPU host's four) the weights
 are replicated and a batch is split over the chips whenever its size divides evenly.
 
-How many clips of a shape go through the VAE at once is read from the compiled program, not guessed: where the
-device reports its memory (TPUs, GPUs), the batch is halved until XLA's memory figure for the program (arguments,
-scratch and output, per device) fits in ``MEMORY_SHARE`` of it, and a batch is encoded in calls of that size.
+How many clips (or captions) of a shape go through the VAE (or umT5) at once is read from the compiled program, not
+guessed: where the device reports its memory (TPUs, GPUs), the batch is halved until XLA's memory figure for the
+program (arguments, scratch and output, per device) fits in ``MEMORY_SHARE`` of it, and a batch is encoded in calls
+of that size. The weights stay replicated: umT5-XXL needs 16 GiB of a v7x TensorCore's 96 at 512 tokens
+(docs/benchmarks.md), so sharding them would only add collectives.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ class JaxEncoders(PixelEncoder):
         self._encode_vae = jax.jit(partial(_encode_normalised, cfg=self.vae_config))
         limit = memory_bytes or device_memory_bytes(devices[0])
         self._memory_limit = int(limit * MEMORY_SHARE) if limit else None
-        self._per_call: dict[tuple[int, ...], int] = {}
-        self._programs: dict[tuple[int, ...], Any] = {}
+        self._per_call: dict[tuple[Any, ...], int] = {}
+        self._programs: dict[tuple[Any, ...], Any] = {}
         text_config = self.text_config
         self._encode_text = jax.jit(lambda params, ids, mask: umt5_jax.encode(params, text_config, ids, mask))
 
@@ -105,64 +107,65 @@ class JaxEncoders(PixelEncoder):
         spatial = self.vae_config.scale_factor_spatial
         return self.vae_config.scale_factor_temporal, spatial, spatial
 
-    def _batch_sharding(self, n: int) -> Any:
-        """A batch of ``n`` split over the host's chips where it divides evenly, else on the first."""
-        if self._mesh is not None and n % self._mesh.size == 0:
-            return NamedSharding(self._mesh, P("data"))
-        return SingleDeviceSharding(jax.local_devices()[0])
-
-    def _batch(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x, self._batch_sharding(len(x)))
-
     def _encode(self, x_bfhwc: np.ndarray) -> np.ndarray:
         x = np.asarray(x_bfhwc)
-        n = self._per_call_batch(x.shape)
-        parts = [self._vae_program((len(x[i : i + n]), *x.shape[1:]))(self.vae, self._batch(x[i : i + n]))
-                 for i in range(0, len(x), n)]  # fmt: skip
-        return np.concatenate([np.asarray(z, np.float32) for z in parts]).transpose(0, 4, 1, 2, 3)
-
-    def _vae_program(self, shape: tuple[int, ...], keep: bool = True) -> Any:
-        """The VAE compiled for a batch of ``shape`` [B, F, H, W, 3] (once per shape where ``keep``)."""
-        if shape in self._programs:
-            return self._programs[shape]
-        x = jax.ShapeDtypeStruct(shape, self.dtype, sharding=self._batch_sharding(shape[0]))
-        program = self._encode_vae.lower(self.vae, x).compile()
-        if keep:
-            self._programs[shape] = program
-        return program
-
-    def _per_call_batch(self, shape: tuple[int, ...]) -> int:
-        """Clips of ``shape`` [B, F, H, W, 3] per VAE call: all of them, or fewer where the compiled program of B
-        does not fit the device (decided once per shape)."""
-        if self._memory_limit is None:
-            return shape[0]
-        if shape not in self._per_call:
-            step = self._mesh.size if self._mesh is not None else 1
-            try:
-                fits = largest_batch_that_fits(lambda b: self._vae_program((b, *shape[1:]), keep=False), shape[0],
-                                               self._memory_limit, step)  # fmt: skip
-            except ValueError as exc:
-                raise ValueError(f"the VAE cannot encode a {'x'.join(map(str, shape[1:4]))} clip: {exc}") from None
-            if fits < shape[0]:
-                log.info("encoding %s clips %d at a time: the compiled VAE of %d needs more than %.1f GiB per device",
-                         "x".join(map(str, shape[1:4])), fits, shape[0], self._memory_limit / 2**30)  # fmt: skip
-            self._per_call[shape] = fits
-        return self._per_call[shape]
-
-    def _batch_sharding(self, n: int) -> Any:
-        """A batch of ``n`` split over the host's chips where it divides evenly, else on the first."""
-        if self._mesh is not None and n % self._mesh.size == 0:
-            return NamedSharding(self._mesh, P("data"))
-        return SingleDeviceSharding(jax.local_devices()[0])
-
-    def _batch(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x.astype(self.dtype) if x.dtype.kind == "f" else x, self._batch_sharding(len(x)))
+        clip = "x".join(map(str, x.shape[1:4]))
+        return self._in_calls("VAE", f"{clip} clip", self._encode_vae, self.vae, x).transpose(0, 4, 1, 2, 3)
 
     def encode_text(self, captions: list[str], text_len: int) -> list[np.ndarray]:
         """Captions → per caption float32 [L_i, D_text], L_i ≤ text_len real tokens (at least 1)."""
         ids, mask = self.tokenizer([clean_caption(c) for c in captions], text_len)
-        hidden = np.asarray(self._encode_text(self.text, self._batch(ids), self._batch(mask)), np.float32)
+        hidden = self._in_calls("text encoder", f"{text_len}-token caption", self._encode_text, self.text, ids, mask)
         return [hidden[i, : max(1, int(n))] for i, n in enumerate(mask.sum(axis=1))]
+
+    def _in_calls(self, model: str, item: str, fn: Any, params: Any, *batch: np.ndarray) -> np.ndarray:
+        """``fn(params, *batch)`` as float32, in calls of as many items as one device holds: all of them where the
+        device reports no memory, else the largest batch whose compiled program fits (decided once per shape)."""
+        n = len(batch[0])
+        key = (model, *(a.shape for a in batch))
+        if key not in self._per_call:
+            self._per_call[key] = n
+            if self._memory_limit is not None:
+                step = self._mesh.size if self._mesh is not None else 1
+                try:
+                    self._per_call[key] = largest_batch_that_fits(
+                        lambda b: self._program(fn, params, [a[:b] for a in batch], keep=False),
+                        n, self._memory_limit, step,
+                    )  # fmt: skip
+                except ValueError as exc:
+                    raise ValueError(f"the {model} cannot encode a {item}: {exc}") from None
+                if self._per_call[key] < n:
+                    log.info("the %s encodes %ss %d at a time: %d need more than %.1f GiB per device", model, item,
+                             self._per_call[key], n, self._memory_limit / 2**30)  # fmt: skip
+        size = self._per_call[key]
+        parts = []
+        for i in range(0, n, size):
+            part = [a[i : i + size] for a in batch]
+            parts.append(np.asarray(self._program(fn, params, part)(params, *map(self._batch, part)), np.float32))
+        return np.concatenate(parts)
+
+    def _program(self, fn: Any, params: Any, batch: list[np.ndarray], keep: bool = True) -> Any:
+        """``fn`` compiled for ``batch``'s shapes (once, where ``keep``)."""
+        key = (fn, *(a.shape for a in batch))
+        if key in self._programs:
+            return self._programs[key]
+        args = [jax.ShapeDtypeStruct(a.shape, self._dtype_of(a), sharding=self._batch_sharding(len(a))) for a in batch]
+        program = fn.lower(params, *args).compile()
+        if keep:
+            self._programs[key] = program
+        return program
+
+    def _dtype_of(self, x: np.ndarray) -> Any:
+        return self.dtype if x.dtype.kind == "f" else x.dtype
+
+    def _batch_sharding(self, n: int) -> Any:
+        """A batch of ``n`` split over the host's chips where it divides evenly, else on the first."""
+        if self._mesh is not None and n % self._mesh.size == 0:
+            return NamedSharding(self._mesh, P("data"))
+        return SingleDeviceSharding(jax.local_devices()[0])
+
+    def _batch(self, x: np.ndarray) -> jax.Array:
+        return jax.device_put(x.astype(self._dtype_of(x)), self._batch_sharding(len(x)))
 
 
 def _encode_normalised(params: Any, pixels: jax.Array, cfg: vae_jax.VaeConfig) -> jax.Array:
