@@ -55,8 +55,8 @@ completion per unit of `samplesPerShard` inputs, `workers` pods at a time), fina
 
 _DATASET_RULES = """## Dataset rules
 
-- `source`: exactly one of `manifest` and `prefix`; `resources`: exactly one of `cpu` and `gpu` (`tpu` is refused
-  until the JAX encoders land).
+- `source`: exactly one of `manifest` and `prefix`; `resources`: exactly one of `cpu`, `gpu` and `tpu` (a TPU pod
+  runs the JAX encoders).
 - Bucket frames are 4k+1 and sides multiples of 16, each bucket listed once; URIs are `gs://bucket/prefix` or paths.
 - Inputs that cannot be used (a malformed row, a missing or empty object, an undecodable file, no caption, a clip
   shorter than every bucket, a repeated id) are skipped and listed in `skipped.json` by kind; more than
