@@ -11,12 +11,14 @@ the real models' sizes, bfloat16, weights replicated, compiled ahead of time for
 upper bound on clips (or captions) per hour per 4-chip host. The VAE runs its clip as a loop over 4-frame chunks
 and XLA counts a loop's body once, so a VAE case also compiles its first chunk alone and counts the clip as the
 first chunk plus one body per later chunk. Compiling the VAE at 480p x 81 takes ~10 minutes on a 2-core CPU: pick
-cases with --cases.
+cases with --cases, and --batch to compile a program for several items (the largest that fits is the batch
+the data-preparation encoders would pick on that device).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -46,26 +48,27 @@ class Case:
     """A program to compile; for the VAE also its first chunk alone and how often the chunk loop runs, because XLA's
     cost analysis counts a loop's body once: the clip's cost is first + loops x (program - first)."""
 
-    lower: Callable[[Any], Any]
-    first: Callable[[Any], Any] | None = None
+    lower: Callable[[Any, int], Any]  # (device, batch)
+    first: Callable[[Any, int], Any] | None = None
     loops: int = 0
 
 
 def _vae_case(cfg: vae_jax.VaeConfig, program: str, frames: int, height: int, width: int) -> Case:
     latent_frames = (frames - 1) // cfg.scale_factor_temporal + 1
 
-    def lower(device: Any, frames: int = frames, latent_frames: int = latent_frames) -> Any:
+    def lower(device: Any, batch: int, frames: int = frames, latent_frames: int = latent_frames) -> Any:
         put = SingleDeviceSharding(device)
         params = jax.eval_shape(lambda: vae_jax.random_params(cfg, 0, in_channels=3))
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=put), params)
         if program == "encode":
-            x = jax.ShapeDtypeStruct((1, frames, height, width, 3), jnp.bfloat16, sharding=put)
+            x = jax.ShapeDtypeStruct((batch, frames, height, width, 3), jnp.bfloat16, sharding=put)
             return jax.jit(lambda p, x: vae_jax.encode(p, cfg, x)).lower(params, x)
         s = cfg.scale_factor_spatial
-        z = jax.ShapeDtypeStruct((1, latent_frames, height // s, width // s, cfg.z_dim), jnp.bfloat16, sharding=put)
+        z = jax.ShapeDtypeStruct((batch, latent_frames, height // s, width // s, cfg.z_dim), jnp.bfloat16,
+                                 sharding=put)  # fmt: skip
         return jax.jit(lambda p, z: vae_jax.decode(p, cfg, z)).lower(params, z)
 
-    return Case(lower, lambda device: lower(device, 1, 1), latent_frames - 1)
+    return Case(lower, lambda device, batch: lower(device, batch, 1, 1), latent_frames - 1)
 
 
 def umt5_xxl_shapes() -> dict[str, tuple[int, ...]]:
@@ -86,10 +89,10 @@ def umt5_xxl_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _umt5_case(tokens: int) -> Case:
-    def lower(device: Any) -> Any:
+    def lower(device: Any, batch: int) -> Any:
         put = SingleDeviceSharding(device)
         params = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=put) for k, v in umt5_xxl_shapes().items()}
-        ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=put)
+        ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=put)
         return jax.jit(lambda p, i, m: umt5_jax.encode(p, UMT5_XXL, i, m)).lower(params, ids, ids)
 
     return Case(lower)
@@ -112,32 +115,29 @@ def _cost(compiled: Any) -> tuple[float, float]:
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
-def run(name: str, device: Any) -> dict[str, Any]:
+def run(name: str, device: Any, batch: int = 1) -> dict[str, Any]:
     case = CASES[name]
     start = time.perf_counter()
-    compiled = case.lower(device).compile()
+    compiled = case.lower(device, batch).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     flops, moved = _cost(compiled)
     if case.first is not None:
-        first_flops, first_moved = _cost(case.first(device).compile())
+        first_flops, first_moved = _cost(case.first(device, batch).compile())
         flops = first_flops + case.loops * (flops - first_flops)
         moved = first_moved + case.loops * (moved - first_moved)
     hbm = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
-    per_item = memory.temp_size_in_bytes + memory.output_size_in_bytes
     bound = max(flops / PEAK_FLOPS_PER_DEVICE, moved / HBM_BYTES_PER_SECOND_PER_DEVICE)
     return {
         "case": name,
+        "batch": batch,
         "compile_seconds": round(seconds, 1),
         "hbm_gib": round(hbm / 2**30, 2),
         "fits": hbm <= HBM_PER_DEVICE,
-        # Weights stay once; scratch and output grow with the batch (an estimate: the encoders compile the real
-        # batch and check it at run time, data/prepare/encoders_jax.py).
-        "batch_estimate": int((HBM_PER_DEVICE - memory.argument_size_in_bytes) // per_item),
         "tflop": round(flops / 1e12, 2),
         "tb_accessed": round(moved / 1e12, 3),
-        "roofline_seconds": round(bound, 4),
-        "per_host_hour_upper_bound": round(3600 / bound * DEVICES_PER_HOST) if bound else None,
+        "roofline_seconds": round(bound / batch, 4),  # per item
+        "per_host_hour_upper_bound": round(3600 / bound * batch * DEVICES_PER_HOST) if bound else None,
     }
 
 
@@ -146,11 +146,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["vae2.1-encode-81x480x832"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="items per program (each compiled)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     device = topologies.get_topology_desc(topology_name="tpu7x:2x2x1", platform="tpu").devices[0]
-    for name in args.cases:
-        result = run(name, device)
+    for name, batch in itertools.product(args.cases, args.batch):
+        result = run(name, device, batch)
         print(json.dumps(result) if args.json else "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
 
 
