@@ -119,41 +119,41 @@ class JaxEncoders(PixelEncoder):
         return [hidden[i, : max(1, int(n))] for i, n in enumerate(mask.sum(axis=1))]
 
     def _in_calls(self, model: str, item: str, fn: Any, params: Any, *batch: np.ndarray) -> np.ndarray:
-        """``fn(params, *batch)`` as float32, in calls of as many items as one device holds: all of them where the
-        device reports no memory, else the largest batch whose compiled program fits (decided once per shape)."""
-        n = len(batch[0])
-        key = (model, *(a.shape for a in batch))
-        if key not in self._per_call:
-            self._per_call[key] = n
-            if self._memory_limit is not None:
-                step = self._mesh.size if self._mesh is not None else 1
-                try:
-                    self._per_call[key] = largest_batch_that_fits(
-                        lambda b: self._program(fn, params, [a[:b] for a in batch], keep=False),
-                        n, self._memory_limit, step,
-                    )  # fmt: skip
-                except ValueError as exc:
-                    raise ValueError(f"the {model} cannot encode a {item}: {exc}") from None
-                if self._per_call[key] < n:
-                    log.info("the %s encodes %ss %d at a time: %d need more than %.1f GiB per device", model, item,
-                             self._per_call[key], n, self._memory_limit / 2**30)  # fmt: skip
-        size = self._per_call[key]
+        """``fn(params, *batch)`` as float32, in calls of as many items as one device holds."""
+        n, size = len(batch[0]), self._per_call_size(model, item, fn, params, batch)
         parts = []
         for i in range(0, n, size):
             part = [a[i : i + size] for a in batch]
             parts.append(np.asarray(self._program(fn, params, part)(params, *map(self._batch, part)), np.float32))
         return np.concatenate(parts)
 
-    def _program(self, fn: Any, params: Any, batch: list[np.ndarray], keep: bool = True) -> Any:
-        """``fn`` compiled for ``batch``'s shapes (once, where ``keep``)."""
+    def _per_call_size(self, model: str, item: str, fn: Any, params: Any, batch: tuple[np.ndarray, ...]) -> int:
+        """All of ``batch`` where the device reports no memory, else the largest part whose compiled program fits
+        (decided once per shape; the programs compiled on the way are kept, the chosen one is reused)."""
+        n = len(batch[0])
+        key = (model, *(a.shape for a in batch))
+        if self._memory_limit is None or key in self._per_call:
+            return self._per_call.get(key, n)
+        step = self._mesh.size if self._mesh is not None else 1
+        try:
+            size = largest_batch_that_fits(lambda b: self._program(fn, params, [a[:b] for a in batch]), n,
+                                           self._memory_limit, step)  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"the {model} cannot encode a {item}: {exc}") from None
+        if size < n:
+            log.info("the %s encodes %ss %d at a time: %d need more than %.1f GiB per device", model, item, size, n,
+                     self._memory_limit / 2**30)  # fmt: skip
+        self._per_call[key] = size
+        return size
+
+    def _program(self, fn: Any, params: Any, batch: list[np.ndarray]) -> Any:
+        """``fn`` compiled for ``batch``'s shapes, once."""
         key = (fn, *(a.shape for a in batch))
-        if key in self._programs:
-            return self._programs[key]
-        args = [jax.ShapeDtypeStruct(a.shape, self._dtype_of(a), sharding=self._batch_sharding(len(a))) for a in batch]
-        program = fn.lower(params, *args).compile()
-        if keep:
-            self._programs[key] = program
-        return program
+        if key not in self._programs:
+            args = [jax.ShapeDtypeStruct(a.shape, self._dtype_of(a), sharding=self._batch_sharding(len(a)))
+                    for a in batch]  # fmt: skip
+            self._programs[key] = fn.lower(params, *args).compile()
+        return self._programs[key]
 
     def _dtype_of(self, x: np.ndarray) -> Any:
         return self.dtype if x.dtype.kind == "f" else x.dtype
@@ -165,7 +165,7 @@ class JaxEncoders(PixelEncoder):
         return SingleDeviceSharding(jax.local_devices()[0])
 
     def _batch(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x.astype(self._dtype_of(x)), self._batch_sharding(len(x)))
+        return jax.device_put(x.astype(self._dtype_of(x), copy=False), self._batch_sharding(len(x)))
 
 
 def _encode_normalised(params: Any, pixels: jax.Array, cfg: vae_jax.VaeConfig) -> jax.Array:
