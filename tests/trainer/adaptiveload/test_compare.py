@@ -33,10 +33,14 @@ def test_every_policy_consumes_the_same_stream(held_out, flop_cost, router, layo
     tokens = int(planner.facts.tokens[bucket].sum())
     results = compare(planner, steps)
     assert results["balanced"].tokens == tokens
+    # The global per-bucket sampler in its steady state: every sample, no idle, no padding, only call overheads.
+    steady = sampler(planner, BASELINE, bucket, expert, steady_state=True)
+    assert steady.tokens == tokens and steady.padding_fraction == 0.0 and steady.idle_fraction == 0.0
+    assert results["balanced"].useful_time == pytest.approx(steady.useful_time, rel=1e-9)
+    assert steady.useful_time < steady.time < 1.01 * steady.useful_time  # its ceiling: the call overheads
+    assert steady.time < results["balanced"].time  # a plan with idle ranks does not reach it
     if layout == "spmd":  # one program over all devices: every sample runs, short chunks padded
         assert results[BASELINE].tokens == results["paper"].tokens == tokens
-        steady = sampler(planner, BASELINE, bucket, expert, steady_state=True)
-        assert steady.tokens == tokens and steady.padding_fraction == 0.0
         assert steady.time < results[BASELINE].time  # the padded chunks cost time, the pro-rata ones do not
     else:  # per-rank draws: only the stream's tail, where a rank finds its expert's queues empty, is left out
         assert 0.9 * tokens < results[BASELINE].tokens <= tokens

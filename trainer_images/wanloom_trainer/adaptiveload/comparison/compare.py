@@ -14,9 +14,13 @@ planner's first ``steps`` steps (the job's data order and routing draws):
 - ``balanced`` — the trainer's own planner (``Planner``, scheduler "balanced"), steps of ``globalBatch`` samples.
 
 The samplers run the stream as they would an epoch: in SPMD mode a queue's last, short chunk is padded to its
-program's rows (``steady_state=True`` charges it pro rata instead, as if a long epoch had filled it); in per-rank
-mode a queue's last micro-batch is short, and the stream's tail — the slots in which some rank finds its expert's
-queues empty — is left out (the next epoch would fill them), which favours the sampler. Compute is the cost model's
+program's rows; in per-rank mode a queue's last micro-batch is short, and the stream's tail — the slots in which
+some rank finds its expert's queues empty — is left out (the next epoch would fill them), which favours the sampler.
+``steady_state=True`` gives the *global* per-bucket sampler in either mode (every rank runs the same bucket, as SPMD
+must) with each queue's short chunk charged pro rata, as if a long epoch had filled it. It idles nothing and pads
+nothing, and its micro-batches are as large as memory allows: no plan of the same samples takes less than their
+useful compute (``useful_time``), and this sampler's time exceeds that only by its call overheads, so in this cost
+model no plan can be more than ``time / useful_time`` times as fast (its ceiling). Compute is the cost model's
 (``CostModel.sample_cost`` per sample, ``overhead`` per micro-batch call); tokens/s is Σ tokens / Σ time.
 
 Reported per policy (``PolicyResult``): throughput relative to the bucket sampler; load CV (CV across ranks of each
@@ -58,6 +62,7 @@ class PolicyResult:
     idle_fraction: float
     compiled_shapes: int
     shapes_per_expert: tuple[int, int]
+    useful_time: float = 0.0  # Σ useful compute / R: the time of a plan with no idle, padding or call overhead
     semantics: StepSemantics | None = None
 
     @property
@@ -196,6 +201,7 @@ class _Tally:
             idle_fraction=max(0.0, 1.0 - busy / self.rank_time) if self.rank_time > 0 else 0.0,
             compiled_shapes=len(shapes),
             shapes_per_expert=shapes_per_expert,
+            useful_time=self.useful / self.ranks if self.ranks else 0.0,
         )
 
 
@@ -259,22 +265,24 @@ def sampler_batch_sizes(planner: Planner, policy: str) -> np.ndarray:
 def sampler(
     planner: Planner, policy: str, bucket: np.ndarray, expert: np.ndarray, *, steady_state: bool = False
 ) -> PolicyResult:
-    """A bucket-sampler policy (module docstring) over the stream ``(bucket, expert)``; ``steady_state``: a
-    queue's short last chunk (SPMD) is charged pro rata, as if a long epoch had filled it."""
+    """A bucket-sampler policy (module docstring) over the stream ``(bucket, expert)``; ``steady_state``: the
+    global per-bucket sampler (every rank the same bucket, in either layout) with each queue's short last chunk
+    charged pro rata, as if a long epoch had filled it."""
     facts, cfg = planner.facts, planner.config
     batch = sampler_batch_sizes(planner, policy)
     counts = np.zeros((2, len(facts.tokens)), dtype=np.int64)
     np.add.at(counts, (expert, bucket), 1)
-    if cfg.layout == "spmd":
-        return _spmd_sampler(policy, counts, batch, planner, steady_state)
+    if cfg.layout == "spmd" or steady_state:
+        return _global_sampler(policy, counts, batch, planner, steady_state)
     return _per_rank_sampler(policy, counts, batch, planner, np.random.default_rng([cfg.seed, _SAMPLER_TAG]))
 
 
-def _spmd_sampler(
+def _global_sampler(
     policy: str, counts: np.ndarray, batch: np.ndarray, planner: Planner, steady_state: bool
 ) -> PolicyResult:
-    """Every chunk is one program over all devices with B_b rows each: its time does not depend on the order the
-    queues are drawn in, only on how many chunks each queue makes (its last one padded to the program's rows)."""
+    """Every chunk is one bucket on all ranks with B_b rows each (SPMD: one program over all devices): its time does
+    not depend on the order the queues are drawn in, only on how many chunks each queue makes (its last one padded
+    to the chunk's rows, or charged pro rata in the steady state)."""
     facts, num_ranks = planner.facts, planner.config.num_ranks
     per_chunk = num_ranks * batch[None, :]
     chunks = counts / per_chunk if steady_state else np.ceil(counts / per_chunk)
@@ -294,6 +302,7 @@ def _spmd_sampler(
         idle_fraction=max(0.0, 1.0 - (compute + float(chunks.sum()) * num_ranks * facts.overhead) / rank_time),
         compiled_shapes=len(shapes),
         shapes_per_expert=(int(present[0].sum()), int(present[1].sum())),
+        useful_time=useful / num_ranks,
     )
 
 
