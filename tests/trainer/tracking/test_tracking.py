@@ -132,16 +132,13 @@ def test_offline_wandb_run_holds_every_step(tracked_run: Path) -> None:
 
 
 def test_tensorboard_goes_beside_a_gcs_checkpoint_root(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
+    from wanloom_api.trainingjob import TrackingSpec
+    from wanloom_trainer.config.train_config import TrackingConfig
     from wanloom_trainer.tracking import tensorboard_dir
 
-    def config(checkpoint: str | None, uri: str | None = None) -> SimpleNamespace:
-        return SimpleNamespace(
-            run_dir="/runs/job",
-            checkpoint=SimpleNamespace(uri=checkpoint),
-            tracking=SimpleNamespace(tensorboard_uri=uri),
-        )
+    def config(checkpoint: str | None, uri: str | None = None) -> TrackingConfig:
+        spec = TrackingSpec.model_validate({"tensorboardUri": uri})
+        return TrackingConfig(spec, "job", None, "/runs/job", checkpoint, {})
 
     assert tensorboard_dir(config("gs://bucket/team/job/checkpoints")) == "gs://bucket/team/job/tensorboard"
     assert tensorboard_dir(config("gs://bucket/")) == "gs://bucket/tensorboard"

@@ -162,6 +162,18 @@ class TrainConfig:
         return adapted_experts(self.model, self.lora)
 
     @property
+    def tracking_config(self) -> TrackingConfig:
+        """The sections the trackers are built from (``TrackingConfig``)."""
+        return TrackingConfig(
+            spec=self.tracking,
+            job_name=self.job_name,
+            namespace=self.namespace,
+            run_dir=self.run_dir,
+            checkpoint_uri=self.checkpoint.uri,
+            summary={"variant": self.model.variant, "global_batch": self.global_batch, "steps": self.steps},
+        )
+
+    @property
     def backend_config(self) -> BackendConfig:
         """The sections a backend is built from (``BackendConfig``)."""
         return BackendConfig(
@@ -174,6 +186,26 @@ class TrainConfig:
             seed=self.seed,
             run_dir=self.run_dir,
         )
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """What the experiment trackers are built from: ``spec.tracking`` and the run as they name it.
+
+    Attributes:
+        spec: ``spec.tracking`` (TensorBoard, W&B).
+        job_name, namespace: the TrainingJob (W&B's run name and resumable id).
+        run_dir: the local run directory (W&B's offline files).
+        checkpoint_uri: the checkpoint root; artifacts (TensorBoard, sample videos) go beside a gs:// one.
+        summary: the numbers W&B records with the run (variant, globalBatch, steps).
+    """
+
+    spec: TrackingSpec
+    job_name: str
+    namespace: str | None
+    run_dir: str
+    checkpoint_uri: str | None
+    summary: Mapping[str, object]
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class SampleWriter:
         for i, text in enumerate(self.prompt_texts):
             noise = self._noise(-1 - i, (1, self.config.model.wan.latent_channels, *self.prompt_shape))
             latents[f"prompt-{i:03d}"] = self._generate(state, noise, text[None], None)
-        folder = f"{artifact_dir(self.config, 'samples')}/step-{steps_done:06d}"
+        folder = f"{artifact_dir(self.config.checkpoint.uri, self.config.run_dir, 'samples')}/step-{steps_done:06d}"
         if self.backend.process_index != 0:
             return Samples(folder, (), None)
         return self._write(latents, folder)

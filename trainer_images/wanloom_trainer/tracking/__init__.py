@@ -1,9 +1,10 @@
 """Experiment tracking for researchers (Prometheus stays for operations): TensorBoard event files and Weights &
 Biases, fed by process 0 from the same per-step numbers as the step log.
 
-``open_trackers(config, start_step)`` returns the configured trackers behind one ``Trackers`` object; each takes
-``scalars(step, values)`` and ``close()``. A resumed run continues the same history: TensorBoard purges the events
-at or after the step it restarts from, like the step log; W&B resumes its run and ignores steps it already has.
+``open_trackers(tracking, start_step)`` (``config.train_config.TrackingConfig``) returns the configured trackers
+behind one ``Trackers`` object; each takes ``scalars(step, values)`` and ``close()``. A resumed run continues the
+same history: TensorBoard purges the events at or after the step it restarts from, like the step log; W&B resumes
+its run and ignores steps it already has.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from wanloom_api.metrics import EXPERT_LABELS
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import TrackingConfig
 from wanloom_trainer.metrics.records import StepLog
 
 log = logging.getLogger(__name__)
@@ -29,21 +30,21 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def artifact_dir(config: TrainConfig, name: str) -> str:
+def artifact_dir(checkpoint_uri: str | None, run_dir: str, name: str) -> str:
     """Where a run keeps ``name`` (tensorboard, samples): ``<run dir>/<name>`` for a local (or no) checkpoint root,
     else ``<name>/`` beside the gs:// checkpoint root (a pod's run directory does not outlive it)."""
-    root = config.checkpoint.uri
+    root = checkpoint_uri
     if root is None or not root.startswith("gs://"):
-        return f"{config.run_dir}/{name}"
+        return f"{run_dir}/{name}"
     parent = root.rstrip("/").rpartition("/")[0]
     return f"{parent if parent != 'gs:/' else root.rstrip('/')}/{name}"
 
 
-def tensorboard_dir(config: TrainConfig) -> str:
-    """``spec.tracking.tensorboardUri``, else ``artifact_dir(config, "tensorboard")``."""
-    if config.tracking.tensorboard_uri is not None:
-        return config.tracking.tensorboard_uri
-    return artifact_dir(config, "tensorboard")
+def tensorboard_dir(tracking: TrackingConfig) -> str:
+    """``spec.tracking.tensorboardUri``, else the run's ``artifact_dir`` "tensorboard"."""
+    if tracking.spec.tensorboard_uri is not None:
+        return tracking.spec.tensorboard_uri
+    return artifact_dir(tracking.checkpoint_uri, tracking.run_dir, "tensorboard")
 
 
 def step_scalars(record: StepLog) -> dict[str, float]:
@@ -100,15 +101,15 @@ class Trackers:
                 log.warning("tracking: closing %s failed (%s)", name, exc)
 
 
-def open_trackers(config: TrainConfig, start_step: int) -> Trackers:
-    """The trackers ``config.tracking`` asks for (call on process 0 only)."""
+def open_trackers(tracking: TrackingConfig, start_step: int) -> Trackers:
+    """The trackers ``spec.tracking`` asks for (call on process 0 only)."""
     trackers: list[tuple[str, Any]] = []
-    if config.tracking.tensorboard:
+    if tracking.spec.tensorboard:
         from wanloom_trainer.tracking.tensorboard import TensorBoardTracker
 
-        trackers.append(("tensorboard", TensorBoardTracker(tensorboard_dir(config), start_step)))
-    if config.tracking.wandb is not None:
+        trackers.append(("tensorboard", TensorBoardTracker(tensorboard_dir(tracking), start_step)))
+    if tracking.spec.wandb is not None:
         from wanloom_trainer.tracking.wandb_tracker import WandbTracker
 
-        trackers.append(("wandb", WandbTracker(config, start_step)))
+        trackers.append(("wandb", WandbTracker(tracking, start_step)))
     return Trackers(trackers)

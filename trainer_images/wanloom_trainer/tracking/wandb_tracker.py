@@ -9,27 +9,28 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import TrackingConfig
 
 
-def run_id(config: TrainConfig) -> str:
-    return hashlib.sha256(f"{config.namespace or ''}/{config.job_name}".encode()).hexdigest()[:16]
+def run_id(tracking: TrackingConfig) -> str:
+    return hashlib.sha256(f"{tracking.namespace or ''}/{tracking.job_name}".encode()).hexdigest()[:16]
 
 
 class WandbTracker:
-    def __init__(self, config: TrainConfig, start_step: int) -> None:
+    def __init__(self, tracking: TrackingConfig, start_step: int) -> None:
         import wandb
 
-        spec = config.tracking.wandb
+        spec = tracking.spec.wandb
+        assert spec is not None
         self._run = wandb.init(
             project=spec.project,
             entity=spec.entity,
             mode=spec.mode,
-            dir=config.run_dir,
-            name=config.job_name,
-            id=run_id(config),
+            dir=tracking.run_dir,
+            name=tracking.job_name,
+            id=run_id(tracking),
             resume="allow",
-            config={"variant": config.model.variant, "global_batch": config.global_batch, "steps": config.steps},
+            config=dict(tracking.summary),
         )
         self.start_step = start_step
 

@@ -76,7 +76,7 @@ class Reporter:
         self.config, self.process_index, self.metrics = config, process_index, metrics
         self.primary = process_index == 0
         self.log = LossLog(config.run_dir, start_step) if self.primary else None
-        self.trackers = open_trackers(config, start_step) if self.primary else None
+        self.trackers = open_trackers(config.tracking_config, start_step) if self.primary else None
         self.bar = None
         if self.primary and progress:
             from tqdm import tqdm
