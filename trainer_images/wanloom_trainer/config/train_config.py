@@ -162,6 +162,22 @@ class TrainConfig:
         return adapted_experts(self.model, self.lora)
 
     @property
+    def evaluation_config(self) -> EvaluationConfig | None:
+        """The sections validation is built from (``EvaluationConfig``); None without ``spec.validation``."""
+        if self.validation is None:
+            return None
+        return EvaluationConfig(
+            spec=self.validation,
+            model=self.model,
+            boundary_ratio=self.routing.boundary_ratio,
+            seed=self.seed,
+            steps=self.steps,
+            batch_ranks=self.parallel.batch_ranks,
+            checkpoint_uri=self.checkpoint.uri,
+            run_dir=self.run_dir,
+        )
+
+    @property
     def tracking_config(self) -> TrackingConfig:
         """The sections the trackers are built from (``TrackingConfig``)."""
         return TrackingConfig(
@@ -186,6 +202,30 @@ class TrainConfig:
             seed=self.seed,
             run_dir=self.run_dir,
         )
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """What held-out validation and its videos are built from: ``spec.validation`` and what they read of the run.
+
+    Attributes:
+        spec: ``spec.validation``.
+        model: the model section (variant, weights, latent geometry).
+        boundary_ratio: the expert boundary (None: one model); it splits the validation timesteps into bands.
+        seed: the run's seed (held-out choice, noise).
+        steps: the run's length (a validation follows the last step).
+        batch_ranks: data-parallel ranks (a validation slot holds a row per rank).
+        checkpoint_uri, run_dir: where the videos go (``tracking.artifact_dir``) and weights are staged.
+    """
+
+    spec: ValidationSpec
+    model: ModelConfig
+    boundary_ratio: float | None
+    seed: int
+    steps: int
+    batch_ranks: int
+    checkpoint_uri: str | None
+    run_dir: str
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from wanloom_api.trainingjob import DEFAULT_SAMPLING, TINY_VARIANTS
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import EvaluationConfig
 from wanloom_trainer.sampling.media import DecodeSpec, can_decode
 from wanloom_trainer.sampling.sampler import SamplerConfig, sample
 from wanloom_trainer.tracking import artifact_dir
@@ -41,31 +41,31 @@ class Samples:
     local: Path | None  # the files process 0 wrote (a staging copy for gs://; None on other processes)
 
 
-def sampler_config(config: TrainConfig) -> SamplerConfig:
+def sampler_config(config: EvaluationConfig) -> SamplerConfig:
     steps, shift, guidance = DEFAULT_SAMPLING[config.model.variant]
-    spec = config.validation
+    spec = config.spec
     if spec.inference_steps is not None:
         steps = spec.inference_steps
     if spec.guidance_scale is not None:
         guidance = (spec.guidance_scale, spec.guidance_scale)
-    return SamplerConfig(steps, shift, config.routing.boundary_ratio, guidance, solver=spec.sampler)
+    return SamplerConfig(steps, shift, config.boundary_ratio, guidance, solver=spec.sampler)
 
 
 class SampleWriter:
     """Generates the first ``videos`` held-out samples and, with ``promptSize``, the dataset's validation prompts;
     the VAE is loaded on process 0 at the first call."""
 
-    def __init__(self, config: TrainConfig, backend: Any, dataset: Any, sample_ids: np.ndarray) -> None:
+    def __init__(self, config: EvaluationConfig, backend: Any, dataset: Any, sample_ids: np.ndarray) -> None:
         self.config, self.backend, self.dataset = config, backend, dataset
-        self.ids = [int(i) for i in sample_ids[: config.validation.videos]]
+        self.ids = [int(i) for i in sample_ids[: config.spec.videos]]
         self.sampler = sampler_config(config)
         # Both fail at the start of the run, not at the first validation: the unconditional prompt, and the VAE.
-        if config.validation.negative_prompt:
+        if config.spec.negative_prompt:
             self.negative_text = dataset.negative_prompt()
         else:
             self.negative_text = dataset.empty_prompt(needed_by="spec.validation.videos")
         self._decode_spec = DecodeSpec(self._vae_source(), config.model.wan.latent_channels, config.seed, FPS)
-        size = config.validation.prompt_size
+        size = config.spec.prompt_size
         self.prompt_texts, self.prompts = dataset.validation_prompts() if size is not None else (np.zeros(0), [])
         self.prompt_shape = config.model.wan.latent_shape(*size.pixels) if size is not None else ()
         self.decodes = can_decode()
@@ -86,7 +86,7 @@ class SampleWriter:
         for i, text in enumerate(self.prompt_texts):
             noise = self._noise(-1 - i, (1, self.config.model.wan.latent_channels, *self.prompt_shape))
             latents[f"prompt-{i:03d}"] = self._generate(state, noise, text[None], None)
-        folder = f"{artifact_dir(self.config.checkpoint.uri, self.config.run_dir, 'samples')}/step-{steps_done:06d}"
+        folder = f"{artifact_dir(self.config.checkpoint_uri, self.config.run_dir, 'samples')}/step-{steps_done:06d}"
         if self.backend.process_index != 0:
             return Samples(folder, (), None)
         return self._write(latents, folder)
@@ -141,7 +141,7 @@ class SampleWriter:
 
     def _vae_source(self) -> str | None:
         """``spec.validation.vae``, else ``<model.weights>/vae``; None: the tiny variants' small random VAE."""
-        spec, weights = self.config.validation, self.config.model.weights
+        spec, weights = self.config.spec, self.config.model.weights
         folder = spec.vae or (f"{weights.rstrip('/')}/vae" if weights else None)
         if folder is None and self.config.model.variant not in TINY_VARIANTS:
             raise ValueError(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from wanloom_trainer.backends.interface import Slot
-from wanloom_trainer.config.train_config import TrainConfig
+from wanloom_trainer.config.train_config import EvaluationConfig
 from wanloom_trainer.evaluation.samples import SampleWriter
 from wanloom_trainer.feed.holdout import held_out_ids
 from wanloom_trainer.feed.inputs import rank_rows
@@ -58,15 +58,14 @@ class ValidationResult:
 class Validator:
     """Scores the held-out samples with the current weights; every process calls ``run`` at the same steps."""
 
-    def __init__(self, config: TrainConfig, backend: Any, dataset: Any, ranks: Sequence[int]) -> None:
-        assert config.validation is not None
-        self.config, self.spec, self.backend, self.dataset = config, config.validation, backend, dataset
+    def __init__(self, config: EvaluationConfig, backend: Any, dataset: Any, ranks: Sequence[int]) -> None:
+        self.config, self.spec, self.backend, self.dataset = config, config.spec, backend, dataset
         self.ranks = list(ranks)
         self.ids = held_out_ids(dataset.sample_shapes().ids, self.spec, config.seed)
         self.pairs = [
             (int(sid), e, t)
             for sid in self.ids
-            for e, t in band_timesteps(config.routing.boundary_ratio, self.spec.timesteps_per_expert)
+            for e, t in band_timesteps(config.boundary_ratio, self.spec.timesteps_per_expert)
         ]
         self._batches: dict[int, Any] = {}  # held-out samples, loaded once
         generates = self.spec.videos or self.spec.prompt_size is not None
@@ -95,7 +94,7 @@ class Validator:
         for sid, e, t in self.pairs:
             per_expert[e] = per_expert.get(e, 0) + 1
             groups.setdefault((e, tuple(int(v) for v in shapes[sid])), []).append((sid, t))
-        num_ranks = self.config.parallel.batch_ranks
+        num_ranks = self.config.batch_ranks
         slots = []
         for (e, _), pairs in sorted(groups.items()):
             for start in range(0, len(pairs), num_ranks):

@@ -136,8 +136,8 @@ def run(
         result = RunResult(start_step=start, next_step=start)
         stop = stack.enter_context(StopRequest().installed())
         loop = _Loop(config, backend, planner, reporter, result, on_step, stop)
-        if config.validation is not None:
-            loop.validator = Validator(config, backend, dataset, loop.ranks)
+        if (evaluation := config.evaluation_config) is not None:
+            loop.validator = Validator(evaluation, backend, dataset, loop.ranks)
         state = loop.run(state, start, meta)  # 5. loop
         finish(config, backend, result, reporter)  # 6. finish
     return result
