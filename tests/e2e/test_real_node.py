@@ -243,6 +243,17 @@ def _pods(k8s: Any, namespace: str, name: str) -> list[Any]:
     return k8s.client.CoreV1Api().list_namespaced_pod(namespace, label_selector=f"wanloom.dev/trainingjob={name}").items
 
 
+def _rank0_log(k8s: Any, namespace: str, name: str) -> str:
+    """The log of the job's rank-0 pod: "" while there is none or its container has not started (the API server
+    answers 400 for a container still being created)."""
+    index = "batch.kubernetes.io/job-completion-index"
+    pods = [p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "0"]
+    try:
+        return (k8s.client.CoreV1Api().read_namespaced_pod_log(pods[0].metadata.name, namespace) or "") if pods else ""
+    except k8s.client.exceptions.ApiException:
+        return ""
+
+
 def _logs(k8s: Any, namespace: str, pods: list[Any]) -> str:
     core = k8s.client.CoreV1Api()
     return "\n".join(
@@ -409,8 +420,7 @@ def test_an_evicted_pod_checkpoints_its_step_and_the_restart_is_not_counted(
     index = "batch.kubernetes.io/job-completion-index"
 
     def rank0_log() -> str:
-        pods = [p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "0"]
-        return core.read_namespaced_pod_log(pods[0].metadata.name, namespace) if pods else ""
+        return _rank0_log(k8s, namespace, name)
 
     _wait(lambda: re.search(rf"step (\d\d+)/{steps}", rank0_log()), "step 10 on rank 0")
     victim = next(p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "1")
@@ -465,11 +475,7 @@ def test_storage_gone_while_a_checkpoint_is_written_is_waited_out(
     index = "batch.kubernetes.io/job-completion-index"
 
     def rank0_log() -> str:
-        pods = [p for p in _pods(k8s, namespace, name) if p.metadata.annotations.get(index) == "0"]
-        try:
-            return (core.read_namespaced_pod_log(pods[0].metadata.name, namespace) or "") if pods else ""
-        except k8s.client.exceptions.ApiException:  # its container not started yet
-            return ""
+        return _rank0_log(k8s, namespace, name)
 
     try:
         k8s.client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
