@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, POLICIES, balanced, compare, sampler
+from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, POLICIES, STEADY, balanced, compare
 from wanloom_trainer.adaptiveload.comparison.report import compare_steps
 from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
 from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
@@ -93,7 +93,10 @@ def run_config(index, mode: dict, ranks: int, per_rank: int) -> dict[str, dict[s
     """Every policy over the same stream, and the balanced plan against the global sampler's steady state."""
     p = planner(index, mode, ranks, per_rank)
     steps = compare_steps(p)
-    results = compare(p, steps)
+    results = compare(p, steps, steady=True)
+    # The global per-bucket sampler at steady state (every rank one bucket, short chunks pro rata): no idle, no
+    # padding, the largest micro-batches; no plan of these samples can beat it by more than its call overheads.
+    steady = results.pop(STEADY)
     rows = {name: r.to_json(results[BASELINE]) for name, r in results.items()}
     rows["balanced"]["shapes_per_expert"] = max(results["balanced"].shapes_per_expert)
     sem = results["balanced"].semantics
@@ -105,9 +108,6 @@ def run_config(index, mode: dict, ranks: int, per_rank: int) -> dict[str, dict[s
     if p.window_steps > 1:  # what the other step budget would give over the same stream
         alt = balanced(p.with_step_budget("tokens"), steps)[0]
         rows["balanced"]["tokens_budget_vs_baseline"] = alt.tokens_per_second / results[BASELINE].tokens_per_second
-    # The global per-bucket sampler at steady state (every rank one bucket, short chunks pro rata): no idle, no
-    # padding, the largest micro-batches; no plan of these samples can beat it by more than its call overheads.
-    steady = sampler(p, BASELINE, *balanced(p, steps)[1:], steady_state=True)
     rows["balanced"]["throughput_vs_steady_sampler"] = results["balanced"].tokens_per_second / steady.tokens_per_second
     rows["balanced"]["steady_sampler_ceiling"] = steady.time / steady.useful_time
     return rows

@@ -4,7 +4,14 @@ it run it, and the GPU targets on a mix the planner was not tuned on."""
 import numpy as np
 import pytest
 
-from wanloom_trainer.adaptiveload.comparison.compare import BASELINE, balanced, compare, sampler, sampler_batch_sizes
+from wanloom_trainer.adaptiveload.comparison.compare import (
+    BASELINE,
+    STEADY,
+    balanced,
+    compare,
+    sampler,
+    sampler_batch_sizes,
+)
 from wanloom_trainer.adaptiveload.comparison.simulate import MixSpec, synthetic_index
 from wanloom_trainer.adaptiveload.cost.cost_model import FlopCost
 from wanloom_trainer.adaptiveload.planner import PlanConfig, Planner
@@ -31,10 +38,11 @@ def test_every_policy_consumes_the_same_stream(held_out, flop_cost, router, layo
     _, bucket, expert = balanced(planner, steps)
     assert len(bucket) == steps * 256  # the balanced planner's samples: globalBatch per step over its windows
     tokens = int(planner.facts.tokens[bucket].sum())
-    results = compare(planner, steps)
+    results = compare(planner, steps, steady=True)
     assert results["balanced"].tokens == tokens
     # The global per-bucket sampler in its steady state: every sample, no idle, no padding, only call overheads.
-    steady = sampler(planner, BASELINE, bucket, expert, steady_state=True)
+    steady = results.pop(STEADY)
+    assert steady == sampler(planner, BASELINE, bucket, expert, steady_state=True)
     assert steady.tokens == tokens and steady.padding_fraction == 0.0 and steady.idle_fraction == 0.0
     assert results["balanced"].useful_time == pytest.approx(steady.useful_time, rel=1e-9)
     assert steady.useful_time < steady.time < 1.01 * steady.useful_time  # its ceiling: the call overheads

@@ -47,6 +47,7 @@ from wanloom_trainer.adaptiveload.sizing.batch_size import equal_token_batch_siz
 
 BASELINE = "bucket-sampler"
 POLICIES = (BASELINE, "paper", "balanced")
+STEADY = "global-sampler-steady"  # compare(..., steady=True): the baseline's ceiling, not a policy a trainer runs
 _SAMPLER_TAG = 0x5A3B  # the samplers' queue draws, apart from every other consumer of the seed
 
 
@@ -340,11 +341,14 @@ def _per_rank_sampler(
     return tally.result(policy, tokens, shapes, (len(per_expert[0]), len(per_expert[1])))
 
 
-def compare(planner: Planner, steps: int) -> dict[str, PolicyResult]:
-    """Every policy over the stream of ``planner``'s first ``steps`` steps (``planner``: scheduler "balanced")."""
+def compare(planner: Planner, steps: int, *, steady: bool = False) -> dict[str, PolicyResult]:
+    """Every policy over the stream of ``planner``'s first ``steps`` steps (``planner``: scheduler "balanced");
+    ``steady``: also the global per-bucket sampler at steady state over the same stream, under ``STEADY``."""
     if planner.config.policy != "balanced":
         raise ValueError(f"compare needs the balanced planner, got scheduler {planner.config.policy!r}")
     ours, bucket, expert = balanced(planner, steps)
     results = {p: sampler(planner, p, bucket, expert) for p in POLICIES if p != "balanced"}
     results["balanced"] = ours
+    if steady:
+        results[STEADY] = sampler(planner, BASELINE, bucket, expert, steady_state=True)
     return results
