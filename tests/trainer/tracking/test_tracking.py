@@ -148,34 +148,72 @@ def test_tensorboard_goes_beside_a_gcs_checkpoint_root(tmp_path: Path) -> None:
 
 
 def test_tensorboard_on_a_bucket_that_stops_answering_never_holds_up_the_run(
-    gcs: str, gcs_server: str, monkeypatch: pytest.MonkeyPatch
+    gcs: str, gcs_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The event file's flush to gs:// stalls in the client's retries while the bucket is away; the run's calls
-    return at once (records past the queue are dropped and counted) and closing gives up after its timeout.
-    Before: tensorboardX's own queue (10 events) filled and the training loop blocked in add_scalar."""
+    """While the bucket is away the run's calls return at once and closing gives up after its timeout, naming the
+    staging folder that holds every event; once the bucket is back a run's close copies them all. Before:
+    tensorboardX's own gs:// writer blocked add_scalar once its 10-event queue filled behind a stalled upload, and
+    its finalizer hung the process at exit."""
     import threading
-    import time
 
     from storage_proxy import FlakyProxy
 
+    from wanloom_trainer.data.storage import open_storage
     from wanloom_trainer.tracking import tensorboard
 
     proxy = FlakyProxy(gcs_server, fail_every=0, mode="drop")
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.address)
-    monkeypatch.setattr(tensorboard, "FLUSH_SECONDS", 0.2)  # the writer flushes (and stalls) at once
     proxy.go_down(600)
     try:
-        tracker = tensorboard.TensorBoardTracker(f"{gcs}/tensorboard", 0, queue_calls=4)
-        steps = threading.Thread(target=lambda: [tracker.scalars(s, {"train/loss": 1.0}) for s in range(300)])
+        tracker = tensorboard.TensorBoardTracker(f"{gcs}/away", 0, flush_seconds=0.2)
+        steps = threading.Thread(target=lambda: [tracker.scalars(s, {"train/loss": float(s)}) for s in range(300)])
         steps.start()
-        time.sleep(1.0)  # the first flush is under way
         steps.join(30)
-        print(f"injected: bucket away; found: 300 steps' scalars returned, {tracker.dropped} dropped")
         assert not steps.is_alive(), "the run's thread is blocked in the tracker"
-        assert tracker.dropped > 0
         closed = threading.Thread(target=tracker.close, kwargs={"timeout_s": 1.0})
         closed.start()
         closed.join(30)
         assert not closed.is_alive(), "closing waits for the bucket"
+        staged = read_scalars(tracker.local)["train/loss"]
+        print(f"injected: bucket away; found: 300 steps returned, {len(staged)} staged in {tracker.local}")
+        assert staged == {s: float(s) for s in range(300)}
+
+        proxy.go_down(1.0)  # back after a second: the periodic copies fail, then one lands
+        tracker = tensorboard.TensorBoardTracker(f"{gcs}/back", 0, flush_seconds=0.2)
+        tracker.scalars(7, {"train/loss": 7.0})
+        tracker.close(timeout_s=60)
+        bucket = open_storage(f"{gcs}/back")
+        for name in bucket.list():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(bucket.read(name))
+        assert read_scalars(tmp_path)["train/loss"] == {7: 7.0}
+        assert not tracker.local.exists(), "the staging folder is removed once its events are copied"
     finally:
         proxy.close()
+
+
+def test_the_tensorboard_threads_parse_no_source(gcs: str) -> None:
+    """The tracker's threads (tensorboardX's writer, the copy to gs://) must not parse Python source while the run's
+    thread may (W&B's pydantic models do at import): CPython 3.11.7 counts AST depth per interpreter, and two parses
+    at once fail with "SystemError: AST constructor recursion depth mismatch" (a CI run hit it). tensorboardX
+    imports torch, which parses source; so does the first use of a library on a thread that imports it."""
+    script = f"""
+import ast, builtins, threading
+parsed_on = set()
+compile_ = builtins.compile
+def spy(source, filename, mode, flags=0, *args, **kwargs):
+    if flags & ast.PyCF_ONLY_AST:
+        parsed_on.add(threading.current_thread().name)
+    return compile_(source, filename, mode, flags, *args, **kwargs)
+builtins.compile = spy
+from wanloom_trainer.tracking.tensorboard import TensorBoardTracker
+tracker = TensorBoardTracker({gcs + "/tb"!r}, 0, flush_seconds=0.1)
+tracker.scalars(0, {{"train/loss": 1.0}})
+tracker.close()
+print(sorted(parsed_on), sorted(tracker._copier.copied))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_images")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    print(f"threads that parsed source, files copied: {proc.stdout.strip()}")
+    assert proc.stdout.startswith("['MainThread'] ['events.out.tfevents.")

@@ -1,101 +1,121 @@
-"""TensorBoard event files through tensorboardX (no TensorFlow or torch needed; writes local paths and gs://): the
-per-step scalars, the validation losses, contact sheets and the validation clips (as animated GIFs).
+"""TensorBoard event files through tensorboardX (no TensorFlow or torch needed): the per-step scalars, the
+validation losses, contact sheets and the validation clips (as animated GIFs).
 
-The writes run on a thread of their own. tensorboardX blocks its caller once its small queue is full, and on gs://
-the queue fills whenever storage stalls: training would stop for as long as the bucket is away (a checkpoint outage
-that the run otherwise waits out). Here a stall costs events instead, dropped and counted once the queue is full.
+tensorboardX always writes to a local folder. For a gs:// ``logdir`` that folder is a staging copy, and a thread
+of ours copies its files to the bucket every ``FLUSH_SECONDS`` and at close. Writing through tensorboardX's own
+gs:// writer instead held the run up whenever storage stalled: its small queue blocked ``add_scalar``, its exit
+hook retried the upload for minutes, and its writer's finalizer uploads once more while the interpreter shuts
+down, where the storage client cannot start its thread and the process hangs for good. Here an unreachable bucket
+costs nothing: the events wait in the staging folder, and the next copy (or the folder, named in the warning at
+close) holds all of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from wanloom_trainer.data.storage import GCS_SCHEME, Storage, open_storage
 
 log = logging.getLogger(__name__)
 
-# How often buffered events reach the file (seconds): on gs:// every flush rewrites the whole object.
+# How often staged events are copied to gs:// (seconds): every copy rewrites each changed event file whole.
 FLUSH_SECONDS = 30
-QUEUE_CALLS = 1000  # steps' worth of scalars held while storage stalls, before new ones are dropped
-CLOSE_TIMEOUT_S = 60.0  # the last flush at the end of a run; past it the events not yet written are given up
+CLOSE_TIMEOUT_S = 60.0  # the last copy at the end of a run; past it the events stay in the staging folder
 
 
 class TensorBoardTracker:
-    """One event file per run segment under ``logdir``; a resume purges the events at or after ``start_step``."""
+    """One event file per run segment under ``logdir`` (a folder or gs://); a resume purges the events at or after
+    ``start_step``."""
 
-    def __init__(self, logdir: str, start_step: int, queue_calls: int = QUEUE_CALLS) -> None:
+    def __init__(self, logdir: str, start_step: int, flush_seconds: float = FLUSH_SECONDS) -> None:
+        from tensorboardX import SummaryWriter
+
         self.logdir = logdir
-        self.dropped = 0  # calls not written: the queue was full (storage stalled)
-        self._calls: queue.Queue[Callable[[], object] | None] = queue.Queue(maxsize=queue_calls)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._write, args=(start_step,), name="tensorboard", daemon=True)
-        self._thread.start()
+        remote = logdir.startswith(GCS_SCHEME)
+        self.local = Path(tempfile.mkdtemp(prefix="wanloom-tensorboard-")) if remote else Path(logdir)
+        self._writer = SummaryWriter(
+            str(self.local), purge_step=start_step if start_step > 0 else None, flush_secs=flush_seconds
+        )
+        self._copier = _Copier(self.local, open_storage(logdir), self._writer.flush, flush_seconds) if remote else None
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        pairs = [(tag, float(value)) for tag, value in values.items()]
-        self._submit(lambda: [self._writer.add_scalar(tag, value, global_step=step) for tag, value in pairs])
+        for tag, value in values.items():
+            self._writer.add_scalar(tag, float(value), global_step=step)
 
     def media(self, step: int, images: Mapping[str, str], videos: Mapping[str, str]) -> None:
         """PNGs as image summaries; mp4 clips as animated GIF image summaries, which TensorBoard plays (what
-        tensorboardX's ``add_video`` writes, encoded here with Pillow instead of moviepy). The files are read now:
-        the caller may remove them once this returns."""
+        tensorboardX's ``add_video`` writes, encoded here with Pillow instead of moviepy)."""
         import numpy as np
         from PIL import Image
 
-        pictures = {tag: np.asarray(Image.open(path).convert("RGB")) for tag, path in images.items()}
-        clips = {tag: gif_summary(tag, read_frames(path)) for tag, path in videos.items()}
-
-        def write() -> None:
-            for tag, picture in pictures.items():
-                self._writer.add_image(tag, picture, global_step=step, dataformats="HWC")
-            for clip in clips.values():
-                self._writer._get_file_writer().add_summary(clip, step)
-
-        self._submit(write)
+        for tag, path in images.items():
+            picture = np.asarray(Image.open(path).convert("RGB"))
+            self._writer.add_image(tag, picture, global_step=step, dataformats="HWC")
+        for tag, path in videos.items():
+            self._writer._get_file_writer().add_summary(gif_summary(tag, read_frames(path)), step)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        if self._thread.is_alive():  # a writer that failed takes nothing more from the queue
-            with contextlib.suppress(queue.Full):
-                self._calls.put(None, timeout=timeout_s)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        if self._thread.is_alive():
-            log.warning("tensorboard: events not written to %s within %.0f s (storage unreachable?); given up",
-                        self.logdir, timeout_s)  # fmt: skip
-        if self.dropped:
-            log.warning("tensorboard: %d records dropped while %s did not keep up", self.dropped, self.logdir)
-        self._raise()
+        self._writer.close()
+        if self._copier is None:
+            return
+        if self._copier.finish(timeout_s):
+            shutil.rmtree(self.local, ignore_errors=True)
+        else:
+            log.warning("tensorboard: events not copied to %s within %.0f s (storage unreachable?); they are in %s",
+                        self.logdir, timeout_s, self.local)  # fmt: skip
 
-    def _submit(self, call: Callable[[], object]) -> None:
-        self._raise()
+
+class _Copier:
+    """Copies the event files that changed under ``local`` to ``storage`` every ``seconds``, on a daemon thread:
+    a stalled bucket holds up only this thread, and the process never waits for it past ``finish``'s timeout."""
+
+    def __init__(self, local: Path, storage: Storage, flush: Callable[[], object], seconds: float) -> None:
+        self.local, self.storage, self.flush, self.seconds = local, storage, flush, seconds
+        self.copied: dict[str, int] = {}  # relative path -> size last copied
+        self._failing = False
+        self._deadline = float("inf")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorboard-copy", daemon=True)
+        self._thread.start()
+
+    def finish(self, timeout_s: float) -> bool:
+        """Copies until everything is in the bucket or ``timeout_s`` has passed; False when it did not get there."""
+        self._deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive() and not self._failing
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds):
+            self._copy()
+        while not self._copy() and time.monotonic() < self._deadline:
+            time.sleep(min(self.seconds, max(0.0, self._deadline - time.monotonic())))
+
+    def _copy(self) -> bool:
+        """Whether every staged file is now in the bucket."""
+        self.flush()
         try:
-            self._calls.put_nowait(call)
-        except queue.Full:
-            if not self.dropped:
-                log.warning("tensorboard: %s does not keep up (storage stalled?); records are dropped until it "
-                            "does", self.logdir)  # fmt: skip
-            self.dropped += 1
-
-    def _raise(self) -> None:
-        """The writer's failure, in the caller (``Trackers`` then drops this tracker)."""
-        if self._error is not None:
-            raise self._error
-
-    def _write(self, start_step: int) -> None:
-        try:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(
-                self.logdir, purge_step=start_step if start_step > 0 else None, flush_secs=FLUSH_SECONDS
-            )
-            while (call := self._calls.get()) is not None:
-                call()
-            self._writer.close()
-        except Exception as exc:  # reported by the next call from the run
-            self._error = exc
+            for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+                name, size = path.relative_to(self.local).as_posix(), path.stat().st_size
+                if self.copied.get(name) != size:
+                    self.storage.upload(name, path)
+                    self.copied[name] = size
+        except Exception as exc:  # the bucket is away: the files stay staged, the next copy tries again
+            if not self._failing:
+                log.warning("tensorboard: copying events to %s failed (%s); retried every %g s, nothing is lost "
+                            "meanwhile", self.storage.uri, exc, self.seconds)  # fmt: skip
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("tensorboard: events reach %s again", self.storage.uri)
+        self._failing = False
+        return True
 
 
 def read_frames(path: str) -> list:
