@@ -194,9 +194,9 @@ def test_tensorboard_on_a_bucket_that_stops_answering_never_holds_up_the_run(
 
 def test_the_tensorboard_threads_parse_no_source(gcs: str) -> None:
     """The tracker's threads (tensorboardX's writer, the copy to gs://) must not parse Python source while the run's
-    thread may (W&B's pydantic models do at import): CPython 3.11.7 counts AST depth per interpreter, and two parses
-    at once fail with "SystemError: AST constructor recursion depth mismatch" (a CI run hit it). tensorboardX
-    imports torch, which parses source; so does the first use of a library on a thread that imports it."""
+    thread may (W&B's pydantic models do at import): CPython before 3.11.8 (CI has 3.11.7) counts AST depth per
+    interpreter, and two parses at once fail with "SystemError: AST constructor recursion depth mismatch" (a CI run
+    hit it). tensorboardX imports torch, which parses source; so may a library a thread imports on first use."""
     script = f"""
 import ast, builtins, threading
 parsed_on = set()

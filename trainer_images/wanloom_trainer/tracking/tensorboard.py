@@ -34,6 +34,8 @@ class TensorBoardTracker:
     ``start_step``."""
 
     def __init__(self, logdir: str, start_step: int, flush_seconds: float = FLUSH_SECONDS) -> None:
+        # On the caller's thread, never on one of ours: tensorboardX imports torch, which parses source, and CPython
+        # before 3.11.8 fails two parses at once on different threads ("AST constructor recursion depth mismatch").
         from tensorboardX import SummaryWriter
 
         self.logdir = logdir
