@@ -60,6 +60,8 @@ def test_a_bad_input_on_one_process_fails_the_run_at_once_with_the_configuration
 
 
 def test_a_killed_process_stops_its_peer_within_seconds(tiny: Any, tmp_path: Path, script_environ, spawn) -> None:
+    import psutil
+
     job = _job(tiny, tmp_path, training={"steps": 400})
     env = script_environ()
     env.pop("XLA_FLAGS")
@@ -70,13 +72,18 @@ def test_a_killed_process_stops_its_peer_within_seconds(tiny: Any, tmp_path: Pat
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not get to step 3"
         time.sleep(0.5)
     victim = _process_of(proc.pid, host_index=1)
+    data_process = [c for c in psutil.Process(victim).children() if "--multiprocessing-fork" in c.cmdline()]
+    assert len(data_process) == 1, "process 1 has no data process"
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     out, _ = proc.communicate(timeout=120)
     took = time.monotonic() - killed
-    print(f"injected: SIGKILL of process 1 (pid {victim}); found: exit {proc.returncode} {took:.1f} s later")
+    _, alive = psutil.wait_procs(data_process, timeout=15)
+    print(f"injected: SIGKILL of process 1 (pid {victim}); found: exit {proc.returncode} {took:.1f} s later, its "
+          f"data process {'still running' if alive else 'gone'}")  # fmt: skip
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert took < 15, f"process 0 was stopped {took:.1f} s after its peer died"
+    assert not alive, "the killed process's data process outlived it (nothing will ever read its steps)"
 
 
 def test_without_a_supervisor_the_survivor_notices_a_dead_peer(

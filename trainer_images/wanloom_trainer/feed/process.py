@@ -16,7 +16,8 @@ Messages (``multiprocessing`` queues):
 - parent → ``control``: ``("decide", step, cost model as dict or None)`` after each step of a run that refits its
   cost model online (``CostSchedule.decide``), and ``("stop",)``.
 
-The child ignores SIGINT and SIGTERM: the training process decides when loading stops (after its checkpoint). A
+The child ignores SIGINT and SIGTERM: the training process decides when loading stops (after its checkpoint), or
+its death does (a SIGKILL sends no stop; the child sees the parent gone within ``_POLL_S``). A
 stop the training process is asked for while it waits for a step (``stop_requested``) ends the iteration: a
 step that never comes (planning that cannot finish, storage that hangs) cannot keep a run from stopping.
 """
@@ -270,11 +271,15 @@ def _plans(planner: Any, schedule: Any, start: int, steps: int, ranks: list[int]
 def _listen(control: Any, schedule: Any, stop: threading.Event) -> None:
     from wanloom_trainer.adaptiveload.cost.cost_model import cost_model_from_dict
 
+    parent = multiprocessing.parent_process()
     while not stop.is_set():
         try:
             message = control.get(timeout=_POLL_S)
         except queue.Empty:
-            continue
+            if parent is not None and not parent.is_alive():  # killed (SIGKILL, the OOM killer): no stop will come
+                message = ("stop",)
+            else:
+                continue
         if message[0] == "stop":
             stop.set()
             schedule.close()  # a planner waiting for decisions that will not come
