@@ -276,10 +276,9 @@ def _listen(control: Any, schedule: Any, stop: threading.Event) -> None:
         try:
             message = control.get(timeout=_POLL_S)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():  # killed (SIGKILL, the OOM killer): no stop will come
-                message = ("stop",)
-            else:
+            if parent is None or parent.is_alive():
                 continue
+            message = ("stop",)  # the parent was killed (SIGKILL, the OOM killer): no stop will come
         if message[0] == "stop":
             stop.set()
             schedule.close()  # a planner waiting for decisions that will not come
