@@ -117,8 +117,17 @@ def test_a_trainingjob_waits_for_its_dataset_which_plans_encodes_and_finalizes(
         120,
     )
     assert (encoding["inputs"], encoding["shardsTotal"]) == (7, 3)  # from the plan pod's summary
-    pending = _status(k8s, namespace, "trainingjobs", "on-corpus")
-    assert pending["phase"] == "Pending" and "Encoding" in _condition(pending, "DataReady")["message"], pending
+    # The operator writes the job's condition right after the dataset's phase: wait out that gap, not more.
+    pending = wait_for(
+        lambda: (
+            "Encoding"
+            in _condition(s := _status(k8s, namespace, "trainingjobs", "on-corpus"), "DataReady").get("message", "")
+            and s
+        ),
+        "the TrainingJob's DataReady naming Encoding",
+        30,
+    )
+    assert pending["phase"] == "Pending", pending
     encode = _jobs(k8s, namespace, "corpus")["corpus-encode"]
     assert (encode.spec.completion_mode, encode.spec.completions, encode.spec.parallelism) == ("Indexed", 3, 2)
 

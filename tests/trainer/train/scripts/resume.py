@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -33,9 +34,17 @@ class Crash(RuntimeError):
     pass
 
 
-def crash_at(step: int):
+def crash_at(step: int, committed: Path):
+    """A kill in ``step``'s hook once checkpoint ``committed`` is on disk: the save is asynchronous, and on a busy
+    machine it can still be in flight two steps later (a kill then rightly resumes from the one before)."""
+
     def hook(record) -> None:
         if record.step == step:
+            deadline = time.monotonic() + 300
+            while not (committed / "commit_success.txt").exists():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"checkpoint {committed} not committed within 300 s")
+                time.sleep(0.05)
             raise Crash(f"simulated kill in step {step}")
 
     return hook
@@ -52,7 +61,7 @@ def main() -> None:
         a_dir, b_dir = Path(tmp, "a"), Path(tmp, "b")
         a = train(a_dir)
         try:
-            train(b_dir, on_step=crash_at(5))
+            train(b_dir, on_step=crash_at(5, b_dir / "checkpoints" / "4"))
             raise AssertionError("run B did not crash")
         except Crash:
             pass
@@ -62,7 +71,7 @@ def main() -> None:
         lora_spec = {**SPEC, "lora": {"rank": 4, "alpha": 8.0}, "optimizer": {"warmupSteps": 2, "ema": {"decay": 0.9}}}
         lora_a = train(Path(tmp, "la"), lora_spec)
         try:
-            train(Path(tmp, "lb"), lora_spec, on_step=crash_at(5))
+            train(Path(tmp, "lb"), lora_spec, on_step=crash_at(5, Path(tmp, "lb", "checkpoints", "4")))
             raise AssertionError("LoRA run B did not crash")
         except Crash:
             pass
