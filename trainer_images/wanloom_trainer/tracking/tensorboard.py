@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from wanloom_trainer.data.storage import GCS_SCHEME, Storage, open_storage
@@ -44,7 +44,7 @@ class TensorBoardTracker:
         self._writer = SummaryWriter(
             str(self.local), purge_step=start_step if start_step > 0 else None, flush_secs=flush_seconds
         )
-        self._copier = _Copier(self.local, open_storage(logdir), self._writer.flush, flush_seconds) if remote else None
+        self._copier = _Copier(self.local, open_storage(logdir), flush_seconds) if remote else None
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         for tag, value in values.items():
@@ -75,10 +75,14 @@ class TensorBoardTracker:
 
 class _Copier:
     """Copies the event files that changed under ``local`` to ``storage`` every ``seconds``, on a daemon thread:
-    a stalled bucket holds up only this thread, and the process never waits for it past ``finish``'s timeout."""
+    a stalled bucket holds up only this thread, and the process never waits for it past ``finish``'s timeout.
 
-    def __init__(self, local: Path, storage: Storage, flush: Callable[[], object], seconds: float) -> None:
-        self.local, self.storage, self.flush, self.seconds = local, storage, flush, seconds
+    It copies what tensorboardX's own worker has written (it flushes every ``seconds`` too) and never calls into
+    the writer: a flush from here could meet the run's ``close`` on the same file. The last copy, after that close,
+    has every event."""
+
+    def __init__(self, local: Path, storage: Storage, seconds: float) -> None:
+        self.local, self.storage, self.seconds = local, storage, seconds
         self.copied: dict[str, int] = {}  # relative path -> size last copied
         self._failing = False
         self._deadline = float("inf")
@@ -101,7 +105,6 @@ class _Copier:
 
     def _copy(self) -> bool:
         """Whether every staged file is now in the bucket."""
-        self.flush()
         try:
             for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
                 name, size = path.relative_to(self.local).as_posix(), path.stat().st_size
